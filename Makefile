@@ -1,0 +1,53 @@
+# fedcomp: the two commands of the README (`make run`, `make test`) and helpers.
+# Each target bootstraps .venv when it is missing or older than pyproject.toml.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
+# The local CPU build of torch 2.13.0 is a cp311 wheel: prefer Python 3.11.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+# Flower phones home and installs dependencies at run time unless told not to
+# (../shared/FLOWER_NOTES.md); these hold for every command below.
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_UPDATE_CHECK := 1
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export HF_HUB_OFFLINE := 1
+export FLWR_HOME := $(CURDIR)/.flwr
+export PYTHONUNBUFFERED := 1
+
+.PHONY: run test lint bench venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "Installing fedcomp into $(VENV) (torch 2.13.0 CPU build first)..."
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+## run: the main job (until the Flower simulation lands: the quick codec benchmark)
+run: $(STAMP)
+	$(PY) experiments/bench_codecs.py --quick --json results/bench_codecs_quick.json
+
+## test: lint, then the whole test suite; "no tests collected" is an error
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "ERROR: pytest collected no tests" >&2; exit 1; fi; \
+	exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+## bench: the full codec benchmark (10M elements, one thread)
+bench: $(STAMP)
+	$(PY) experiments/bench_codecs.py --json results/bench_codecs.json
+
+clean:
+	rm -rf $(VENV) .flwr results .pytest_cache .ruff_cache .hypothesis

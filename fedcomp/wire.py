@@ -1,0 +1,399 @@
+"""The payload envelope: one self-describing, versioned byte string per update.
+
+Layout (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic  b"FCMP"
+    4       1     version (1)
+    5       1     flags  (bit 0: header is zstd-compressed)
+    6       2     reserved, must be 0
+    8       4     header_len   bytes of the header as stored
+    12      4     header_raw   bytes of the header as JSON (== header_len if not compressed)
+    16      4     body_len
+    20      ...   header (UTF-8 JSON, optionally one zstd frame)
+    ...     ...   body: every array of every tensor, back to back, in header order
+    end-4   4     CRC-32 of everything before it
+
+The JSON header::
+
+    {"v": 1, "meta": {...}, "specs": ["topk:ratio=0.01|quant:bits=4", "none"],
+     "tensors": [["conv1.weight", [32, 1, 3, 3], 0, TREE], ...]}
+
+``meta`` holds small caller values (round number, model version); ``specs`` lists
+the distinct pipelines; each tensor names its spec by index. A TREE is a node
+``{"c": codec id, "m": {meta}, "p": {part: TREE}}`` or a leaf ``[dtype, count]``;
+leaves take their bytes from the body in depth-first order. Nothing is pickled.
+
+Decoding (:func:`unpack_payload`) treats the bytes as hostile: sizes are checked
+before anything is allocated, the total must match to the byte, the checksum must
+hold, JSON is parsed with duplicate keys, NaN and Infinity refused, and the tree is
+decoded by the receiver's expected pipeline (see :mod:`fedcomp.pipeline`). Every
+problem raises :class:`~fedcomp.errors.PayloadError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import struct
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from fedcomp.codecs.base import MAX_NDIM, Encoded
+from fedcomp.codecs.lossless import LEAF_DTYPES
+from fedcomp.errors import PayloadError, SpecError
+from fedcomp.pipeline import Pipeline
+from fedcomp.spec import MAX_STAGES
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "DecodedPayload",
+    "EncodedTensor",
+    "ExpectedTensor",
+    "pack_payload",
+    "unpack_payload",
+]
+
+MAGIC = b"FCMP"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sBBHIII")
+_CRC = struct.Struct("<I")
+_FLAG_ZSTD_HEADER = 1
+#: Framing bytes around header and body.
+OVERHEAD_BYTES = _PREFIX.size + _CRC.size
+
+MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_RAW_BYTES = 4 << 20
+MAX_TENSORS = 4096
+MAX_NAME_LENGTH = 256
+MAX_PARTS = 16
+MAX_META_ITEMS = 32
+MAX_META_STRING = 256
+#: Default bound on the elements one payload may decode to (1 GiB of float32).
+DEFAULT_MAX_TOTAL_NUMEL = 1 << 28
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """One tensor's encoded tree, ready to pack."""
+
+    name: str
+    shape: tuple[int, ...]
+    pipeline: Pipeline
+    root: Encoded
+
+
+@dataclass(frozen=True)
+class ExpectedTensor:
+    """What the receiver expects for one tensor: its shape and pipeline."""
+
+    shape: tuple[int, ...]
+    pipeline: Pipeline
+
+
+@dataclass
+class DecodedPayload:
+    """The result of :func:`unpack_payload`."""
+
+    tensors: dict[str, np.ndarray]
+    specs: dict[str, str]
+    meta: dict[str, Any] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+# --------------------------------------------------------------------------------------
+# Packing
+# --------------------------------------------------------------------------------------
+def _tree_to_json(node: Encoded | np.ndarray, leaves: list[np.ndarray]) -> Any:
+    if isinstance(node, np.ndarray):
+        array = np.ascontiguousarray(node.reshape(-1))
+        if array.dtype.byteorder == ">":
+            array = array.astype(array.dtype.newbyteorder("<"))
+        if array.dtype.str not in LEAF_DTYPES:
+            raise TypeError(f"arrays of dtype {array.dtype} cannot travel on the wire")
+        leaves.append(array)
+        return [array.dtype.str, int(array.size)]
+    return {
+        "c": node.codec,
+        "m": dict(node.meta),
+        "p": {name: _tree_to_json(part, leaves) for name, part in node.parts.items()},
+    }
+
+
+def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None = None) -> bytes:
+    """Serialize encoded tensors (and small ``meta`` values) into one payload."""
+    specs: list[str] = []
+    entries = []
+    leaves: list[np.ndarray] = []
+    for tensor in tensors:
+        spec = tensor.pipeline.spec
+        if spec not in specs:
+            specs.append(spec)
+        entries.append([tensor.name, list(tensor.shape), specs.index(spec),
+                        _tree_to_json(tensor.root, leaves)])
+    header_obj = {"v": FORMAT_VERSION, "meta": dict(meta or {}), "specs": specs,
+                  "tensors": entries}
+    header_raw = json.dumps(header_obj, separators=(",", ":"), allow_nan=False).encode()
+    if len(header_raw) > MAX_HEADER_RAW_BYTES:
+        raise ValueError(f"payload header of {len(header_raw)} bytes is too large")
+    header, flags = header_raw, 0
+    compressed = zstandard.ZstdCompressor(level=9, write_content_size=True).compress(header_raw)
+    if len(compressed) < len(header_raw):
+        header, flags = compressed, _FLAG_ZSTD_HEADER
+    body_len = sum(leaf.nbytes for leaf in leaves)
+    out = bytearray(_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, 0, len(header),
+                                 len(header_raw), body_len))
+    out += header
+    for leaf in leaves:
+        out += leaf.tobytes()
+    out += _CRC.pack(zlib.crc32(out))
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------------------
+# Unpacking
+# --------------------------------------------------------------------------------------
+def _reject(message: str, reason: str = "header") -> PayloadError:
+    return PayloadError(message, reason=reason)
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _reject(f"duplicate key {key!r} in payload header")
+        out[key] = value
+    return out
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _reject(f"payload header contains {name}", reason="non-finite")
+
+
+def _read_header(stored: bytes, raw_len: int, compressed: bool) -> dict[str, Any]:
+    if compressed:
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(stored))
+            raw = reader.read(raw_len + 1)
+        except zstandard.ZstdError as exc:
+            raise _reject(f"corrupt compressed header ({exc})") from None
+    else:
+        raw = stored
+    if len(raw) != raw_len:
+        raise _reject(f"header is {len(raw)} bytes; prefix says {raw_len}", reason="size")
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
+                            parse_constant=_refuse_constant)
+    except PayloadError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise _reject(f"payload header is not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(header, dict) or set(header) != {"v", "meta", "specs", "tensors"}:
+        raise _reject("payload header must have exactly the keys v, meta, specs, tensors")
+    if header["v"] != FORMAT_VERSION:
+        raise _reject(f"header version {header['v']!r} != {FORMAT_VERSION}", reason="version")
+    return header
+
+
+def _check_meta(meta: Any, where: str) -> dict[str, Any]:
+    if not isinstance(meta, dict) or len(meta) > MAX_META_ITEMS:
+        raise _reject(f"{where}: meta must be an object of at most {MAX_META_ITEMS} items")
+    for key, value in meta.items():
+        if len(key) > 64:
+            raise _reject(f"{where}: meta key too long")
+        if isinstance(value, list):
+            if len(value) > MAX_NDIM or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            ):
+                raise _reject(f"{where}: meta {key!r} must be a short list of integers")
+        elif isinstance(value, str):
+            if len(value) > MAX_META_STRING:
+                raise _reject(f"{where}: meta {key!r} string too long")
+        elif value is not None and not isinstance(value, bool | int | float):
+            raise _reject(f"{where}: meta {key!r} has an unsupported type")
+    return meta
+
+
+class _Body:
+    """Hands out consecutive slices of the body as read-only arrays, bounded."""
+
+    def __init__(self, body: memoryview) -> None:
+        self.body = body
+        self.offset = 0
+
+    def take(self, dtype_str: Any, count: Any) -> np.ndarray:
+        if not isinstance(dtype_str, str) or dtype_str not in LEAF_DTYPES:
+            raise _reject(f"leaf dtype {dtype_str!r} is not allowed")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise _reject(f"leaf count {count!r} is not a non-negative integer")
+        dtype = LEAF_DTYPES[dtype_str]
+        nbytes = count * dtype.itemsize
+        if nbytes > len(self.body) - self.offset:
+            raise _reject(f"leaf of {nbytes} bytes overruns the body", reason="truncated")
+        array = np.frombuffer(self.body, dtype=dtype, count=count, offset=self.offset)
+        self.offset += nbytes
+        return array
+
+
+def _build_tree(obj: Any, body: _Body, depth: int) -> Encoded | np.ndarray:
+    if isinstance(obj, list):
+        if len(obj) != 2:
+            raise _reject("a leaf must be [dtype, count]")
+        return body.take(obj[0], obj[1])
+    if not isinstance(obj, dict) or set(obj) != {"c", "m", "p"}:
+        raise _reject("a node must have exactly the keys c, m, p")
+    if depth > MAX_STAGES + 1:
+        raise _reject("encoded tree nested too deeply")
+    codec, meta, parts = obj["c"], obj["m"], obj["p"]
+    if not isinstance(codec, str) or len(codec) > 32:
+        raise _reject(f"bad codec id {codec!r:.40}")
+    if not isinstance(parts, dict) or not 0 < len(parts) <= MAX_PARTS:
+        raise _reject(f"{codec}: parts must be an object of 1 to {MAX_PARTS} entries")
+    return Encoded(
+        codec,
+        _check_meta(meta, codec),
+        {str(name): _build_tree(part, body, depth + 1) for name, part in parts.items()},
+    )
+
+
+def _check_shape(value: Any, name: str) -> tuple[int, ...]:
+    if (not isinstance(value, list) or len(value) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                       for d in value)):
+        raise _reject(f"tensor {name!r}: bad shape {value!r:.80}", reason="shape")
+    return tuple(value)
+
+
+def unpack_payload(
+    data: bytes | bytearray | memoryview,
+    *,
+    expected: Mapping[str, ExpectedTensor] | None = None,
+    max_total_numel: int = DEFAULT_MAX_TOTAL_NUMEL,
+) -> DecodedPayload:
+    """Validate and decode a payload.
+
+    Parameters
+    ----------
+    data
+        The received bytes (untrusted).
+    expected
+        The model the receiver expects: tensor names, shapes and the pipeline each
+        must use. A payload with any other name, shape or codec is rejected. Without
+        it, the payload's own specs are used, bounded by ``max_total_numel``.
+    max_total_numel
+        Most elements all tensors of the payload may decode to.
+
+    Raises
+    ------
+    PayloadError
+        For every problem, with a message naming it and a ``reason`` tag.
+    """
+    try:
+        return _unpack(memoryview(data).cast("B"), expected, max_total_numel)
+    except PayloadError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, MemoryError) as exc:
+        # Defence in depth: a check we missed must still reject only this payload.
+        raise PayloadError(f"malformed payload ({type(exc).__name__}: {exc})",
+                           reason="invalid") from exc
+
+
+def _unpack(
+    data: memoryview,
+    expected: Mapping[str, ExpectedTensor] | None,
+    max_total_numel: int,
+) -> DecodedPayload:
+    total = len(data)
+    if total < OVERHEAD_BYTES:
+        raise _reject(f"payload of {total} bytes is shorter than the framing", "truncated")
+    magic, version, flags, reserved, header_len, header_raw, body_len = _PREFIX.unpack(
+        data[: _PREFIX.size]
+    )
+    if magic != MAGIC:
+        raise _reject(f"bad magic {bytes(magic)!r}; not a fedcomp payload", "magic")
+    if version != FORMAT_VERSION:
+        raise _reject(f"unsupported payload version {version}", "version")
+    if flags & ~_FLAG_ZSTD_HEADER or reserved:
+        raise _reject(f"unknown flags {flags:#x}/{reserved:#x}", "version")
+    if header_len > MAX_HEADER_BYTES or header_raw > MAX_HEADER_RAW_BYTES:
+        raise _reject(f"header of {header_len}/{header_raw} bytes is too large", "size")
+    want = OVERHEAD_BYTES + header_len + body_len
+    if total != want:
+        raise _reject(f"payload is {total} bytes; its prefix says {want}",
+                      "truncated" if total < want else "size")
+    (crc,) = _CRC.unpack(data[total - _CRC.size:])
+    if zlib.crc32(data[: total - _CRC.size]) != crc:
+        raise _reject("checksum mismatch: the payload was corrupted", "checksum")
+    if not flags & _FLAG_ZSTD_HEADER and header_raw != header_len:
+        raise _reject("uncompressed header length mismatch", "size")
+
+    start = _PREFIX.size
+    header = _read_header(bytes(data[start:start + header_len]), header_raw,
+                          bool(flags & _FLAG_ZSTD_HEADER))
+    meta = _check_meta(header["meta"], "payload")
+    specs, entries = header["specs"], header["tensors"]
+    if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):
+        raise _reject("specs must be a list of strings")
+    if not isinstance(entries, list) or len(entries) > MAX_TENSORS:
+        raise _reject(f"tensors must be a list of at most {MAX_TENSORS} entries")
+
+    body = _Body(data[start + header_len: start + header_len + body_len])
+    parsed = []
+    names: set[str] = set()
+    numel_total = 0
+    for entry in entries:
+        if not isinstance(entry, list) or len(entry) != 4:
+            raise _reject("a tensor entry must be [name, shape, spec, tree]")
+        name, shape_obj, spec_index, tree = entry
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH:
+            raise _reject(f"bad tensor name {name!r:.80}")
+        if name in names:
+            raise _reject(f"tensor {name!r} appears twice")
+        names.add(name)
+        shape = _check_shape(shape_obj, name)
+        if expected is not None and name in expected and shape != tuple(expected[name].shape):
+            raise _reject(f"tensor {name!r} has shape {list(shape)[:8]}; the model has "
+                          f"{list(expected[name].shape)}", "model")
+        numel_total += math.prod(shape)
+        if numel_total > max_total_numel:
+            raise _reject(f"payload declares more than {max_total_numel} elements", "size")
+        if (isinstance(spec_index, bool) or not isinstance(spec_index, int)
+                or not 0 <= spec_index < len(specs)):
+            raise _reject(f"tensor {name!r}: bad spec index {spec_index!r}")
+        spec = specs[spec_index]
+        if expected is not None:
+            want_tensor = expected.get(name)
+            if want_tensor is None:
+                raise _reject(f"unexpected tensor {name!r}", "model")
+            if spec != want_tensor.pipeline.spec:
+                raise _reject(f"tensor {name!r} uses codec {spec!r:.120}; expected "
+                              f"{want_tensor.pipeline.spec!r}", "codec")
+            pipeline = want_tensor.pipeline
+        else:
+            try:
+                pipeline = Pipeline.parse(spec)
+            except SpecError as exc:
+                raise _reject(f"tensor {name!r}: bad codec spec ({exc})", "codec") from None
+        parsed.append((name, shape, pipeline, _build_tree(tree, body, 0)))
+    if expected is not None and names != set(expected):
+        missing = sorted(set(expected) - names)
+        raise _reject(f"payload lacks tensors {missing[:5]}", "model")
+    if body.offset != body_len:
+        raise _reject(f"body has {body_len - body.offset} bytes no tensor accounts for",
+                      "size")
+
+    tensors: dict[str, np.ndarray] = {}
+    used_specs: dict[str, str] = {}
+    for name, shape, pipeline, root in parsed:
+        if not isinstance(root, Encoded):
+            raise _reject(f"tensor {name!r}: root must be a node, not a leaf")
+        tensors[name] = pipeline.decode_tensor(root, shape)
+        used_specs[name] = pipeline.spec
+    return DecodedPayload(tensors=tensors, specs=used_specs, meta=meta, nbytes=total)

@@ -1,0 +1,56 @@
+"""Write the frozen golden payloads of wire format version 1.
+
+Run once per format version: ``python -m tests.golden.generate``. The files it
+writes are committed and never regenerated for an existing version; the test
+``tests/test_golden.py`` checks that the current code still decodes each of them to
+the stored values (backwards compatibility, as numcodecs' frozen fixtures do).
+Re-running it only adds files that do not exist yet.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from fedcomp.policy import CompressionPolicy, encode_update
+
+HERE = Path(__file__).parent
+SHAPES = {"conv.weight": [8, 1, 3, 3], "conv.bias": [8], "fc.weight": [10, 120]}
+CASES = {
+    "none": ("none", "none"),
+    "topk-quant4-zstd": ("topk:ratio=0.05|quant:bits=4|zstd:level=3", "none"),
+    "topk-approx": ("topk:ratio=0.02,approx=true,trim=true", "fp16"),
+    "topk-bitmap": ("topk:ratio=0.5", "bf16"),
+    "randk": ("randk:ratio=0.1", "none"),
+    "threshold": ("threshold:value=1.5", "none"),
+    "quant3-nearest": ("quant:bits=3,rounding=nearest", "none"),
+    "qsgd": ("qsgd:levels=4", "none"),
+    "sign": ("sign", "none"),
+    "ternary": ("ternary", "none"),
+    "stc": ("topk:ratio=0.01|ternary:mode=mean", "none"),
+    "lowrank-fp16": ("lowrank:rank=2|fp16", "none"),
+}
+
+
+def main() -> None:
+    manifest_path = HERE / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    for index, (name, (codec, small)) in enumerate(CASES.items()):
+        key = f"v1-{name}"
+        if key in manifest:
+            continue
+        rng = np.random.default_rng(1000 + index)
+        tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+        policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64)
+        update = encode_update(tensors, policy, rng=rng, meta={"round": index})
+        (HERE / f"{key}.bin").write_bytes(update.payload)
+        np.savez(HERE / f"{key}.npz", **update.decoded)
+        manifest[key] = {"codec": codec, "small_codec": small, "min_numel": 64,
+                         "shapes": SHAPES, "meta": {"round": index}}
+    manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

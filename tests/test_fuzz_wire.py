@@ -1,0 +1,75 @@
+"""Fuzzing the decoder: thousands of hostile payloads, one error type, bounded memory."""
+
+from __future__ import annotations
+
+import collections
+import tracemalloc
+
+import numpy as np
+
+from fedcomp.errors import PayloadError
+from fedcomp.fuzzing import MUTATIONS, mutate
+from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.wire import unpack_payload
+
+SHAPES = {"conv.weight": (32, 1, 3, 3), "conv.bias": (32,), "fc.weight": (10, 2048),
+          "fc.bias": (10,)}
+POLICIES = [
+    CompressionPolicy(codec=spec, small_codec=small, min_numel=100)
+    for spec, small in [
+        ("topk:ratio=0.01|quant:bits=4", "none"),
+        ("topk:ratio=0.05|quant:bits=3|zstd:level=1", "fp16"),
+        ("topk:ratio=0.4", "bf16"),               # bitmap indices
+        ("randk:ratio=0.02|qsgd:levels=4", "none"),
+        ("topk:ratio=0.001|ternary:mode=mean", "none"),
+        ("sign", "none"),
+        ("lowrank:rank=2|fp16", "none"),
+        ("threshold:value=1.5", "none"),
+        ("quant:bits=8,chunk=64|zstd", "none"),
+        ("none", "none"),
+    ]
+]
+CASES_PER_POLICY = 150  # 1,500 hostile payloads in all
+
+
+def test_hostile_payloads_raise_only_payload_error_and_stay_in_bounded_memory():
+    rng = np.random.default_rng(2026)
+    model_bytes = 4 * sum(int(np.prod(s)) for s in SHAPES.values())
+    reasons: collections.Counter = collections.Counter()
+    kinds: collections.Counter = collections.Counter()
+    tracemalloc.start()
+    try:
+        for policy in POLICIES:
+            tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+            payload = encode_update(tensors, policy, rng=rng, meta={"round": 1}).payload
+            expected = policy.expected(SHAPES)
+            for case in range(CASES_PER_POLICY):
+                kind, hostile = mutate(payload, rng)
+                kinds[kind] += 1
+                tracemalloc.reset_peak()
+                try:
+                    # Most cases against the expected model; some with none, as a
+                    # receiver that has not been told what to expect.
+                    decoded = unpack_payload(
+                        hostile,
+                        expected=expected if case % 5 else None,
+                        max_total_numel=10 * sum(int(np.prod(s)) for s in SHAPES.values()),
+                    )
+                except PayloadError as exc:
+                    reasons[exc.reason] += 1
+                    assert str(exc), "every rejection says what was wrong"
+                else:
+                    reasons["accepted"] += 1
+                    for value in decoded.tensors.values():
+                        assert value.dtype == np.float32 and np.isfinite(value).all()
+                # Decoding never allocates much more than the model it decodes to.
+                assert tracemalloc.get_traced_memory()[1] < 40 * model_bytes + (8 << 20)
+    finally:
+        tracemalloc.stop()
+    assert sum(kinds.values()) >= 1000
+    assert set(kinds) == set(MUTATIONS)
+    # The structure-aware mutations reach the checks behind the checksum.
+    assert {"checksum", "header", "size", "truncated"} <= set(reasons)
+    assert len(set(reasons) - {"accepted", "checksum"}) >= 6, reasons
+    # "invalid" is the decoder's catch-all for a check it lacks: none may be missing.
+    assert "invalid" not in reasons, reasons

@@ -1,0 +1,209 @@
+"""Wire format: round trips, framing, and every kind of lie a header can tell."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from fedcomp.errors import PayloadError
+from fedcomp.fuzzing import assemble, split
+from fedcomp.pipeline import Pipeline
+from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.wire import OVERHEAD_BYTES, ExpectedTensor, pack_payload, unpack_payload
+
+SHAPES = {"conv.weight": (16, 1, 3, 3), "conv.bias": (16,), "fc.weight": (10, 400)}
+POLICY = CompressionPolicy(codec="topk:ratio=0.05|quant:bits=4", min_numel=100)
+
+
+def _update(seed: int = 0, policy: CompressionPolicy = POLICY, **meta) -> bytes:
+    rng = np.random.default_rng(seed)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    return encode_update(tensors, policy, rng=rng, meta=meta or None).payload
+
+
+def _decode(payload: bytes, policy: CompressionPolicy = POLICY):
+    return unpack_payload(payload, expected=policy.expected(SHAPES))
+
+
+def test_round_trip_keeps_names_shapes_meta_and_the_small_tensor_policy():
+    rng = np.random.default_rng(1)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    update = encode_update(tensors, POLICY, rng=rng, meta={"round": 7, "model": "abc"})
+    decoded = _decode(update.payload)
+    assert decoded.meta == {"round": 7, "model": "abc"}
+    assert decoded.nbytes == len(update.payload)
+    for name in SHAPES:
+        np.testing.assert_array_equal(decoded.tensors[name], update.decoded[name])
+    np.testing.assert_array_equal(decoded.tensors["conv.bias"], tensors["conv.bias"])  # small
+    assert decoded.specs["conv.bias"] == "none"
+    assert decoded.specs["fc.weight"] == "topk:ratio=0.05|quant:bits=4"
+
+
+def test_payload_size_is_framing_plus_header_plus_body():
+    payload = _update()
+    header, body = split(payload)
+    assert len(payload) == OVERHEAD_BYTES + len(body) + struct.unpack_from("<I", payload, 8)[0]
+    assert header["v"] == 1 and len(header["tensors"]) == 3
+
+
+def test_headers_are_compressed_only_when_that_is_smaller():
+    assert pack_payload([])[5] == 0  # flags: a 40-byte header does not shrink
+    assert _update()[5] == 1
+
+
+def _reason(payload: bytes, **kwargs) -> str:
+    with pytest.raises(PayloadError) as info:
+        if kwargs.pop("unchecked", False):
+            unpack_payload(payload, **kwargs)
+        else:
+            _decode(payload)
+    return info.value.reason
+
+
+def test_every_truncation_is_rejected():
+    payload = _update()
+    for cut in range(0, len(payload), 7):
+        assert _reason(payload[:cut]) in {"truncated", "size", "checksum"}
+
+
+def test_extension_bad_magic_version_flags_and_checksum_are_rejected():
+    payload = _update()
+    assert _reason(payload + b"\0") == "size"
+    assert _reason(b"XXXX" + payload[4:]) == "magic"
+    header, body = split(payload)
+    assert _reason(assemble(header, body, version=2)) == "version"
+    assert _reason(assemble(header, body, flags=4)) == "version"
+    corrupted = bytearray(payload)
+    corrupted[len(payload) // 2] ^= 0x10
+    assert _reason(bytes(corrupted)) == "checksum"
+
+
+def _lie(edit, payload: bytes | None = None, body_edit=None) -> str:
+    header, body = split(payload or _update())
+    edit(header)
+    if body_edit is not None:
+        body = body_edit(bytearray(body))
+    return _reason(assemble(header, bytes(body)))
+
+
+def _tensor(header: dict, name: str) -> list:
+    return next(t for t in header["tensors"] if t[0] == name)
+
+
+def test_shape_lies_are_rejected():
+    def huge(h):
+        _tensor(h, "fc.weight")[1] = [2**40, 2**40]
+    assert _lie(huge) == "model"
+    # Without an expected model the product is still bounded (no overflow, no alloc).
+    header, body = split(_update())
+    _tensor(header, "fc.weight")[1] = [2**62, 2**62]
+    assert _reason(assemble(header, body), unchecked=True) == "size"
+
+
+def test_counts_larger_than_the_tensor_are_rejected():
+    def count(h):
+        _tensor(h, "fc.weight")[3]["m"]["count"] = 4001
+    assert _lie(count) == "size"
+
+
+def test_unsorted_duplicate_and_out_of_range_indices_are_rejected():
+    policy = CompressionPolicy(codec="topk:k=3", min_numel=100)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((10, 400)).astype(np.float32)
+    expected = {"w": ExpectedTensor((10, 400), Pipeline.parse("topk:k=3"))}
+    payload = encode_update({"w": x}, policy, rng=rng).payload
+    header, body = split(payload)
+    tree = header["tensors"][0][3]
+    # Re-code the indices as raw uint16 so we can write any index we like.
+    for bad, reason in (([5, 3, 9], "indices"), ([3, 3, 9], "indices"), ([1, 2, 4000], "indices")):
+        tree["m"] = {**tree["m"], "ix": "raw"}
+        values = body[:12]
+        tree["p"] = {"values": ["<f4", 3], "ix_raw": ["<u2", 3]}
+        forged = assemble(header, values + np.array(bad, np.uint16).tobytes())
+        with pytest.raises(PayloadError) as info:
+            unpack_payload(forged, expected=expected)
+        assert info.value.reason == reason
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_or_inf_values_are_rejected(bad):
+    plain = CompressionPolicy(codec="none")
+    header, body = split(_update(policy=plain))
+    body = bytearray(body)
+    body[0:4] = np.array([bad], np.float32).tobytes()  # first float of conv.weight
+    with pytest.raises(PayloadError) as info:
+        _decode(assemble(header, bytes(body)), policy=plain)
+    assert info.value.reason == "non-finite"
+
+
+def test_a_zstd_frame_that_expands_past_its_declared_size_is_rejected():
+    policy = CompressionPolicy(codec="topk:ratio=0.05|zstd", min_numel=100)
+    payload = _update(policy=policy)
+    header, body = split(payload)
+    import zstandard
+    bomb = zstandard.ZstdCompressor(write_content_size=False).compress(bytes(10**7))
+    tree = _tensor(header, "fc.weight")[3]
+    # Replace the values' frame: fix up the leaf size and rebuild the body in order.
+    leaves = []
+    offset = 0
+
+    def walk(node):
+        nonlocal offset
+        if isinstance(node, list):
+            size = node[1] * np.dtype(node[0]).itemsize
+            leaves.append([node, body[offset: offset + size]])
+            offset += size
+            return
+        for part in node["p"].values():
+            walk(part)
+
+    for entry in header["tensors"]:
+        walk(entry[3])
+    target = tree["p"]["values"]["p"]["frame"]
+    for leaf in leaves:
+        if leaf[0] is target:
+            leaf[1] = bomb
+            target[1] = len(bomb)
+    forged = assemble(header, b"".join(leaf[1] for leaf in leaves))
+    with pytest.raises(PayloadError) as info:
+        unpack_payload(forged, expected=policy.expected(SHAPES))
+    assert info.value.reason == "zstd"
+
+
+def test_payloads_for_another_model_or_codec_are_rejected():
+    assert _lie(lambda h: _tensor(h, "fc.weight").__setitem__(0, "fc2.weight")) == "model"
+    assert _lie(lambda h: h["tensors"].pop()) == "model"
+    other = CompressionPolicy(codec="topk:ratio=0.05|quant:bits=8", min_numel=100)
+    assert _reason(_update(policy=other)) == "codec"
+
+
+@pytest.mark.parametrize(
+    "raw_header",
+    [
+        b"[" * 100_000 + b"]" * 100_000,                    # nesting bomb
+        b'{"v":1,"v":1,"meta":{},"specs":[],"tensors":[]}',  # duplicate key
+        b'{"v":1,"meta":{"x":NaN},"specs":[],"tensors":[]}',  # NaN constant
+        b"\xff\xfe not utf-8",
+        b'{"v":1,"meta":{},"specs":[],"tensors":[]',          # unterminated
+        b'{"v":2,"meta":{},"specs":[],"tensors":[]}',         # header version
+    ],
+)
+def test_hostile_json_headers_are_rejected(raw_header):
+    with pytest.raises(PayloadError):
+        unpack_payload(assemble(raw_header, b""))
+
+
+def test_a_compressed_header_that_lies_about_its_size_is_rejected():
+    import zstandard
+    raw = json.dumps({"v": 1, "meta": {}, "specs": [], "tensors": []}).encode()
+    frame = zstandard.ZstdCompressor().compress(raw)
+    with pytest.raises(PayloadError, match="prefix says"):
+        unpack_payload(assemble(frame, b"", flags=1, raw_len=len(raw) - 5))
+
+
+def test_an_empty_update_round_trips():
+    decoded = unpack_payload(pack_payload([], {"round": 1}))
+    assert decoded.tensors == {} and decoded.meta == {"round": 1}
