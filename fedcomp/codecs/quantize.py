@@ -283,8 +283,8 @@ class ScaledSign(Codec):
         scale = take_part(enc, "scale", np.float32, -(-n // chunk) if n else 0)
         _check_scales(self.codec_id, "scale", scale, 1.0)
         negative = unpack_uint(enc.parts["signs"], n, 1, self.codec_id)  # type: ignore[arg-type]
-        out = _expand(scale, chunk, n)
-        out[negative.astype(bool)] *= -1
+        out = np.float32(1) - np.float32(2) * negative  # +1 / -1
+        out *= scale[0] if scale.size == 1 else _expand(scale, chunk, n)
         return out.reshape(shape)
 
 
@@ -416,11 +416,12 @@ class BF16(Codec):
         x = check_float_input(self.codec_id, x)
         if not np.isfinite(x).all():
             raise ValueError(f"{self.codec_id}: the input contains NaN or Inf")
-        bits = x.reshape(-1).view(np.uint32).astype(np.uint64)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        # No uint32 overflow: the largest finite pattern, 0xFF7FFFFF, plus 0x8000 fits.
+        bits = x.reshape(-1).view(np.uint32)
+        rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> 16
         # Values within half an ulp of float32's max round up to Inf: saturate instead.
-        exponent_all_ones = (rounded & 0x7F80) == 0x7F80
-        rounded[exponent_all_ones] -= 1
+        exponent_all_ones = (rounded & np.uint32(0x7F80)) == np.uint32(0x7F80)
+        rounded[exponent_all_ones] -= np.uint32(1)
         return Encoded(self.codec_id, {"shape": list(x.shape)},
                        {"data": rounded.astype(np.uint16)})
 
