@@ -17,10 +17,11 @@ export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
+export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 export PYTHONUNBUFFERED := 1
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test lint bench bench-quick venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,9 +32,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-## run: the main job (until the Flower simulation lands: the quick codec benchmark)
+## run: the main job: a Flower simulation (digits, 10 clients, Top-1% + 4-bit + EF)
 run: $(STAMP)
-	$(PY) experiments/bench_codecs.py --quick --json results/bench_codecs_quick.json
+	$(VENV)/bin/fedcomp simulate --num-supernodes 10 $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)")
 
 ## test: lint, then the whole test suite; "no tests collected" is an error
 test: $(STAMP)
@@ -44,6 +45,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+## bench-quick: the codec benchmark on 1M elements
+bench-quick: $(STAMP)
+	$(PY) experiments/bench_codecs.py --quick --json results/bench_codecs_quick.json
 
 ## bench: the full codec benchmark (10M elements, one thread)
 bench: $(STAMP)

@@ -10,10 +10,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-__all__ = ["PAYLOAD_KEY", "payload_from_record", "payload_to_record", "record_to_state",
-           "state_to_record"]
+from fedcomp.downlink import DownlinkMessage
+
+__all__ = [
+    "PAYLOAD_KEY",
+    "STATE_PREFIX",
+    "downlink_from_record",
+    "downlink_to_record",
+    "load_client_state",
+    "payload_from_record",
+    "payload_to_record",
+    "record_to_state",
+    "save_client_state",
+    "state_to_record",
+]
+
+#: Prefix of fedcomp's entries in a node's ``context.state``.
+STATE_PREFIX = "fedcomp."
 
 #: Key of the compressed update inside a reply's ConfigRecord.
 PAYLOAD_KEY = "payload"
@@ -41,3 +56,33 @@ def payload_from_record(record: ConfigRecord) -> bytes:
     if not isinstance(value, bytes):
         raise ValueError(f"reply has no {PAYLOAD_KEY!r} bytes (got {type(value).__name__})")
     return value
+
+
+def downlink_to_record(message: DownlinkMessage) -> ConfigRecord:
+    """A downlink message as a ConfigRecord (payloads as a list of bytes)."""
+    return ConfigRecord({"kind": message.kind, "from-round": message.from_round,
+                         "to-round": message.to_round, "payloads": list(message.payloads)})
+
+
+def downlink_from_record(record: ConfigRecord) -> DownlinkMessage:
+    """Inverse of :func:`downlink_to_record`; a malformed record raises ``ValueError``."""
+    payloads = record.get("payloads", [])
+    kind, start, stop = record.get("kind"), record.get("from-round"), record.get("to-round")
+    if (not isinstance(kind, str) or not isinstance(start, int) or not isinstance(stop, int)
+            or not isinstance(payloads, list)
+            or not all(isinstance(p, bytes) for p in payloads)):
+        raise ValueError("malformed downlink record")
+    return DownlinkMessage(kind, start, stop, tuple(payloads))
+
+
+def save_client_state(state: RecordDict, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+    """Store a client's state (groups of arrays) in ``context.state``."""
+    for group, values in arrays.items():
+        state[STATE_PREFIX + group] = state_to_record(values)
+
+
+def load_client_state(state: RecordDict) -> dict[str, dict[str, np.ndarray]]:
+    """Read back what :func:`save_client_state` stored (empty groups if none)."""
+    return {key[len(STATE_PREFIX):]: record_to_state(record)
+            for key, record in state.items()
+            if key.startswith(STATE_PREFIX) and isinstance(record, ArrayRecord)}

@@ -30,18 +30,22 @@ def train(
     batch_size: int = 32,
     lr: float = 0.05,
     momentum: float = 0.9,
+    proximal_mu: float = 0.0,
     seed: int = 0,
 ) -> float:
     """SGD with momentum for ``epochs`` epochs (or exactly ``steps`` steps if > 0).
 
-    Returns the mean training loss over the steps taken. Batches are shuffled by a
-    generator seeded with ``seed``.
+    With ``proximal_mu > 0`` the loss gains FedProx's term
+    ``mu / 2 * ||w - w_start||^2``, which keeps heterogeneous clients near the global
+    model. Returns the mean training loss over the steps taken. Batches are shuffled
+    by a generator seeded with ``seed``.
     """
     if len(y) == 0:
         return float("nan")
     generator = np.random.default_rng(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     loss_fn = nn.CrossEntropyLoss()
+    anchor = [p.detach().clone() for p in model.parameters()] if proximal_mu > 0 else None
     xt, yt = torch.from_numpy(x), torch.from_numpy(y)
     model.train()
     total, taken = 0.0, 0
@@ -52,6 +56,10 @@ def train(
             batch = order[start:start + batch_size]
             optimizer.zero_grad()
             loss = loss_fn(model(xt[batch]), yt[batch])
+            if anchor is not None:
+                loss = loss + 0.5 * proximal_mu * sum(
+                    ((p - a) ** 2).sum() for p, a in zip(model.parameters(), anchor,
+                                                         strict=True))
             loss.backward()
             optimizer.step()
             total += loss.item()

@@ -12,6 +12,7 @@ for _key, _value in {
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
     "HF_HUB_OFFLINE": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
 }.items():
     os.environ.setdefault(_key, _value)
 

@@ -1,0 +1,145 @@
+"""One client round, without Flower: sync the replica, train, compress the delta.
+
+The ClientApp (``clients/app.py``) only moves records in and out of Flower messages;
+everything it does is here, so it can be tested by calling a function.
+
+State that must survive between rounds, per client: the replica of the shared model
+(downlink) and the error-feedback memory (uplink). It travels as a flat dict of
+numpy arrays (:meth:`ClientState.to_arrays`), which the Flower adapter stores in
+``context.state``. State that does not match the run (another codec, another model)
+is dropped with a warning and the client starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedcomp.config import RunConfig
+from fedcomp.data import ArrayDataset
+from fedcomp.downlink import DownlinkMessage, Replica, model_digest
+from fedcomp.feedback import ErrorFeedback, StateMismatchError, make_feedback
+from fedcomp.models import build_model
+from fedcomp.policy import encode_update
+from fedcomp.training import state_arrays, train
+
+__all__ = ["ClientResult", "ClientState", "model_shapes", "run_client_round"]
+
+log = logging.getLogger(__name__)
+
+_REPLICA_PREFIX = "replica/"
+_ROUND_KEY = "replica-round"
+
+
+def model_shapes(dataset: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of the model used for ``dataset``."""
+    return {k: tuple(v.shape) for k, v in build_model(dataset, seed=0).state_dict().items()}
+
+
+@dataclass
+class ClientState:
+    """What a client keeps between rounds."""
+
+    replica: Replica
+    feedback: Any
+
+    @classmethod
+    def fresh(cls, cfg: RunConfig) -> ClientState:
+        return cls(Replica(), make_feedback(cfg.feedback, cfg.uplink_policy.description))
+
+    def to_arrays(self) -> dict[str, dict[str, np.ndarray]]:
+        replica = {_REPLICA_PREFIX + k: v for k, v in (self.replica.model or {}).items()}
+        replica[_ROUND_KEY] = np.array([-1 if self.replica.round is None
+                                        else self.replica.round], dtype=np.int64)
+        return {"replica": replica, "feedback": self.feedback.state_dict()}
+
+    @classmethod
+    def from_arrays(cls, cfg: RunConfig, saved: Mapping[str, Mapping[str, np.ndarray]],
+                    shapes: Mapping[str, tuple[int, ...]]) -> ClientState:
+        """Restore saved state; anything that does not fit this run is dropped."""
+        state = cls.fresh(cfg)
+        replica = saved.get("replica") or {}
+        if replica:
+            model = {k[len(_REPLICA_PREFIX):]: np.array(v, dtype=np.float32)
+                     for k, v in replica.items() if k.startswith(_REPLICA_PREFIX)}
+            if {k: v.shape for k, v in model.items()} == dict(shapes):
+                state.replica = Replica(model, int(np.asarray(replica[_ROUND_KEY])[0]))
+            else:
+                log.warning("saved replica does not match the model; full sync next")
+        try:
+            state.feedback.load_state_dict(saved.get("feedback") or {}, shapes=shapes)
+        except (StateMismatchError, TypeError) as exc:
+            log.warning("dropping saved error-feedback state: %s", exc)
+        except KeyError as exc:
+            log.warning("dropping incomplete error-feedback state: %s", exc)
+        return state
+
+
+@dataclass
+class ClientResult:
+    """A client's reply: the payload and the metrics it reports."""
+
+    payload: bytes
+    metrics: dict[str, float] = field(default_factory=dict)
+    replica_digest: str = ""
+
+
+def run_client_round(
+    cfg: RunConfig,
+    state: ClientState,
+    message: DownlinkMessage,
+    data: ArrayDataset,
+    *,
+    server_round: int,
+    client_seed: int,
+) -> ClientResult:
+    """Sync the replica, train locally, and encode the delta with error feedback.
+
+    Raises
+    ------
+    fedcomp.downlink.ReplicaOutOfSync
+        If the message cannot bring the replica up to date (the server then sends
+        the full model next time).
+    fedcomp.errors.PayloadError
+        If a downlink payload is invalid.
+    """
+    torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
+    shapes = model_shapes(cfg.dataset)
+    state.replica.apply(message, shapes, cfg.downlink_policy)
+    assert state.replica.model is not None
+    replica_digest = model_digest(state.replica.model)
+
+    model = build_model(cfg.dataset, seed=cfg.seed)
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.replica.model.items()})
+    start = time.perf_counter()
+    loss = train(model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
+                 batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+                 proximal_mu=cfg.proximal_mu, seed=client_seed * 100_003 + server_round)
+    train_s = time.perf_counter() - start
+    after = state_arrays(model)
+    delta = {k: after[k] - v for k, v in state.replica.model.items()}
+
+    residual_in = (state.feedback.residual_norm()
+                   if isinstance(state.feedback, ErrorFeedback) else 0.0)
+    update = encode_update(
+        delta, cfg.uplink_policy, feedback=state.feedback,
+        rng=np.random.default_rng([cfg.seed, client_seed, server_round]),
+        meta={"round": server_round},
+    )
+    metrics = {
+        "num-examples": float(len(data)),
+        "train-loss": float(loss),
+        "train-s": train_s,
+        "encode-s": update.encode_s,
+        "payload-bytes": float(len(update.payload)),
+        "downlink-bytes": float(message.nbytes),
+        "replica-round": float(state.replica.round or 0),
+        "residual-norm-in": residual_in,
+    }
+    return ClientResult(update.payload, metrics, replica_digest)

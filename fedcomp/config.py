@@ -1,0 +1,160 @@
+"""The run configuration: every key of ``[tool.flwr.app.config]``, typed and validated.
+
+Flower hands the ServerApp and every ClientApp ``context.run_config``, a flat dict
+with kebab-case keys (``local-epochs``). :meth:`RunConfig.from_mapping` turns it into
+one frozen object, refusing unknown keys (a typo in ``--run-config`` would otherwise
+be silently ignored), wrong types and out-of-range values with a message that names
+the key and the value. Codec specs are parsed here too, so a bad spec stops the run
+before the first round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fedcomp.errors import SpecError
+from fedcomp.pipeline import Pipeline
+from fedcomp.policy import CompressionPolicy
+
+__all__ = ["RunConfig", "config_key"]
+
+_CHOICES = {
+    "dataset": ("digits", "fashion-mnist"),
+    "partitioning": ("iid", "dirichlet", "pathological"),
+    "feedback": ("ef", "ef21", "none"),
+    "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
+}
+
+
+def config_key(name: str) -> str:
+    """The kebab-case run-config key of a field name."""
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Settings of one federated run (defaults: the README's default simulation)."""
+
+    num_server_rounds: int = 20
+    dataset: str = "digits"
+    data_dir: str = ""
+    partitioning: str = "dirichlet"
+    dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
+    test_fraction: float = 0.2
+    clients_per_round: int = 0
+    min_clients: int = 1
+    local_epochs: int = 5
+    local_steps: int = 0
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    proximal_mu: float = 0.0
+    codec: str = "topk:ratio=0.01|quant:bits=4"
+    small_codec: str = "none"
+    min_numel: int = 1024
+    feedback: str = "ef"
+    downlink_codec: str = "none"
+    downlink_history: int = 20
+    server_optimizer: str = "sgd"
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
+    round_timeout: float = 600.0
+    seed: int = 0
+    run_name: str = ""
+    results_dir: str = "results"
+    _policies: tuple[CompressionPolicy, CompressionPolicy] = field(
+        init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(self, f.name)
+            expected = type(f.default)
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, f.name, float(value))
+            elif type(value) is not expected:
+                raise SpecError(f"run config {config_key(f.name)!r} must be "
+                                f"{expected.__name__}, got {value!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise SpecError(f"run config {config_key(name)!r} must be one of "
+                                f"{', '.join(choices)}; got {getattr(self, name)!r}")
+        positive = ("num_server_rounds", "batch_size", "classes_per_client", "min_clients",
+                    "downlink_history")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise SpecError(f"run config {config_key(name)!r} must be >= 1, "
+                                f"got {getattr(self, name)!r}")
+        non_negative = ("local_epochs", "local_steps", "clients_per_round", "min_numel",
+                        "lr", "proximal_mu", "server_lr", "dirichlet_alpha")
+        for name in non_negative:
+            if getattr(self, name) < 0:
+                raise SpecError(f"run config {config_key(name)!r} must be >= 0, "
+                                f"got {getattr(self, name)!r}")
+        if self.local_epochs == 0 and self.local_steps == 0:
+            raise SpecError("run config needs local-epochs > 0 or local-steps > 0")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise SpecError(f"run config 'test-fraction' must be in (0, 1), "
+                            f"got {self.test_fraction!r}")
+        if self.dirichlet_alpha == 0 and self.partitioning == "dirichlet":
+            raise SpecError("run config 'dirichlet-alpha' must be > 0")
+        object.__setattr__(self, "_policies", (
+            CompressionPolicy(self.codec, self.small_codec, self.min_numel),
+            CompressionPolicy(self.downlink_codec, self.small_codec, self.min_numel),
+        ))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors."""
+        by_key = {config_key(f.name): f.name for f in dataclasses.fields(cls)
+                  if not f.name.startswith("_")}
+        unknown = sorted(set(values) - set(by_key))
+        if unknown:
+            raise SpecError(f"unknown run config key(s) {', '.join(map(repr, unknown))}; "
+                            f"known keys: {', '.join(sorted(by_key))}")
+        return cls(**{by_key[k]: v for k, v in values.items()})
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The config as kebab-case keys (what ``--run-config`` takes)."""
+        return {config_key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)
+                if not f.name.startswith("_")}
+
+    def replace(self, **changes: Any) -> RunConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def uplink_policy(self) -> CompressionPolicy:
+        return self._policies[0]
+
+    @property
+    def downlink_policy(self) -> CompressionPolicy:
+        return self._policies[1]
+
+    def describe(self) -> dict[str, Any]:
+        """The config plus the parsed codec configs (for ``summary.json``)."""
+        out = self.to_mapping()
+        out["codec-config"] = Pipeline.parse(self.codec).get_config()
+        out["small-codec-config"] = Pipeline.parse(self.small_codec).get_config()
+        out["downlink-codec-config"] = Pipeline.parse(self.downlink_codec).get_config()
+        return out
+
+    def digest(self) -> str:
+        """A short stable hash of everything that shapes the run's results."""
+        settings = {k: v for k, v in self.to_mapping().items()
+                    if k not in ("run-name", "results-dir")}
+        blob = json.dumps(settings, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
+    @property
+    def resolved_run_name(self) -> str:
+        return self.run_name or f"{self.dataset}-{self.digest()}"

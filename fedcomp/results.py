@@ -1,0 +1,161 @@
+"""Results a user can trust: ``rounds.csv``, ``summary.json``, progress and a table.
+
+Every byte figure is the length of payloads actually put into messages, summed where
+they were produced or received, never a codec's formula. ``rounds.csv`` is appended
+(and flushed) after every round, so a long run can be watched, or loaded from a
+notebook (``pandas.read_csv``), while it runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"]
+
+ROUND_COLUMNS = [
+    "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
+    "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "encode_s",
+    "decode_s", "train_s",
+]
+
+
+@dataclass
+class RoundRecord:
+    """One row of ``rounds.csv``."""
+
+    round: int
+    accuracy: float = math.nan
+    loss: float = math.nan
+    uplink_bytes: int = 0
+    downlink_bytes: int = 0
+    cum_uplink_bytes: int = 0
+    cum_downlink_bytes: int = 0
+    clients_ok: int = 0
+    clients_failed: int = 0
+    rejected: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+    train_s: float = 0.0
+
+
+class RunRecorder:
+    """Writes one run's results folder and prints progress.
+
+    Parameters
+    ----------
+    out_dir
+        ``results/<run-name>``; created if missing.
+    config
+        The run's full configuration (codec configs included) for ``summary.json``.
+    model_bytes
+        Bytes of the model in fp32, the yardstick of the compression factors.
+    """
+
+    def __init__(self, out_dir: str | Path, config: dict[str, Any], *, model_bytes: int,
+                 num_rounds: int, verbose: bool = True) -> None:
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.config = config
+        self.model_bytes = model_bytes
+        self.num_rounds = num_rounds
+        self.verbose = verbose
+        self.rows: list[RoundRecord] = []
+        self.rejected_by_reason: dict[str, int] = {}
+        self.replies_ok = 0
+        self.extra: dict[str, Any] = {}
+        self.started = time.perf_counter()
+        self.initial_accuracy = math.nan
+        self._csv_path = self.out_dir / "rounds.csv"
+        with self._csv_path.open("w", newline="") as handle:
+            csv.writer(handle).writerow(ROUND_COLUMNS)
+
+    def record(self, row: RoundRecord, rejected_by_reason: dict[str, int] | None = None) -> None:
+        """Append a finished round (cumulative columns are filled in here)."""
+        previous = self.rows[-1] if self.rows else None
+        row.cum_uplink_bytes = (previous.cum_uplink_bytes if previous else 0) + row.uplink_bytes
+        row.cum_downlink_bytes = ((previous.cum_downlink_bytes if previous else 0)
+                                  + row.downlink_bytes)
+        self.rows.append(row)
+        self.replies_ok += row.clients_ok
+        for reason, count in (rejected_by_reason or {}).items():
+            self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + count
+        with self._csv_path.open("a", newline="") as handle:
+            values = asdict(row)
+            csv.writer(handle).writerow([values[c] for c in ROUND_COLUMNS])
+        if self.verbose:
+            factor = (self.model_bytes * max(row.clients_ok, 1) / row.uplink_bytes
+                      if row.uplink_bytes else math.nan)
+            print(
+                f"[round {row.round:>3}/{self.num_rounds}] acc {row.accuracy:.4f} "
+                f"loss {row.loss:.4f} | up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
+                f"vs fp32) down {row.downlink_bytes / 1e3:,.1f} kB | ok {row.clients_ok} "
+                f"failed {row.clients_failed} rejected {row.rejected} | "
+                f"{time.perf_counter() - self.started:.1f} s",
+                flush=True,
+            )
+
+    def summary(self) -> dict[str, Any]:
+        accuracies = [r.accuracy for r in self.rows if not math.isnan(r.accuracy)]
+        last = self.rows[-1] if self.rows else RoundRecord(0)
+        fp32_uplink = self.model_bytes * self.replies_ok
+        return {
+            "run_name": self.out_dir.name,
+            "config": self.config,
+            "final_accuracy": accuracies[-1] if accuracies else None,
+            "best_accuracy": max(accuracies) if accuracies else None,
+            "initial_accuracy": None if math.isnan(self.initial_accuracy)
+            else self.initial_accuracy,
+            "rounds_completed": len(self.rows),
+            "uplink_bytes": last.cum_uplink_bytes,
+            "downlink_bytes": last.cum_downlink_bytes,
+            "fp32_uplink_bytes": fp32_uplink,
+            "uplink_compression": (fp32_uplink / last.cum_uplink_bytes
+                                   if last.cum_uplink_bytes else None),
+            "model_bytes_fp32": self.model_bytes,
+            "wall_s": time.perf_counter() - self.started,
+            "rejected_updates": sum(self.rejected_by_reason.values()),
+            "rejected_by_reason": self.rejected_by_reason,
+            "encode_s": sum(r.encode_s for r in self.rows),
+            "decode_s": sum(r.decode_s for r in self.rows),
+            "train_s": sum(r.train_s for r in self.rows),
+            **self.extra,
+        }
+
+    def finish(self) -> dict[str, Any]:
+        """Write ``summary.json`` and print the summary table; return the summary."""
+        summary = self.summary()
+        (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.verbose:
+            print(format_summary_table([summary]), flush=True)
+            print(f"results: {self.out_dir}", flush=True)
+        return summary
+
+
+def format_summary_table(summaries: list[dict[str, Any]]) -> str:
+    """A plain-text table of runs: accuracy, MB up and down, compression vs fp32."""
+    header = ["run", "codec", "rounds", "final acc", "best acc", "MB up", "MB down",
+              "up x fp32", "total x fp32"]
+    rows = []
+    for s in summaries:
+        up, down = s["uplink_bytes"], s["downlink_bytes"]
+        fp32_total = s["fp32_uplink_bytes"] * 2  # FedAvg sends the model both ways
+        rows.append([
+            s["run_name"], s["config"].get("codec", ""), str(s["rounds_completed"]),
+            f"{s['final_accuracy']:.4f}" if s["final_accuracy"] is not None else "-",
+            f"{s['best_accuracy']:.4f}" if s["best_accuracy"] is not None else "-",
+            f"{up / 1e6:.3f}", f"{down / 1e6:.3f}",
+            f"{s['fp32_uplink_bytes'] / up:.1f}" if up else "-",
+            f"{fp32_total / (up + down):.1f}" if up + down else "-",
+        ])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) if i < 2 else h.rjust(w)
+                       for i, (h, w) in enumerate(zip(header, widths, strict=True)))]
+    lines += ["  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    return "\n".join(lines)

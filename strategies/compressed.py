@@ -1,0 +1,192 @@
+"""``CompressedFedAvg``: FedAvg over compressed, error-compensated client deltas.
+
+A thin Flower layer over :mod:`fedcomp`. It subclasses Flower's ``FedAvg`` and
+keeps its settings, summary and reply checks, but overrides the three hooks that
+differ for compressed updates:
+
+* ``configure_train``: each sampled node gets its own downlink message: the full
+  model, or only the compressed updates it missed (:class:`fedcomp.downlink.Broadcaster`).
+  Nodes are sampled with the run's seeded generator rather than FedAvg's
+  ``random.sample`` on the global RNG, so a run is reproducible from its seed.
+* ``aggregate_train``: every reply is decoded strictly; a bad one is rejected with
+  its reason and the round goes on (:func:`fedcomp.aggregation.aggregate_deltas`).
+  The example-weighted mean delta goes through the server optimizer
+  (SGD/FedAvgM/FedAdam/FedYogi) and is published on the downlink.
+* ``configure_evaluate``: none; evaluation is centralized (``evaluate_fn``).
+
+The ArrayRecord it returns is the shared model, the one clients actually hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from fedcomp.aggregation import ClientReply, aggregate_deltas
+from fedcomp.config import RunConfig
+from fedcomp.downlink import Broadcaster, model_digest
+from fedcomp.flower import downlink_to_record, payload_from_record
+from fedcomp.results import RoundRecord
+from fedcomp.server_opt import ServerOptimizer
+
+__all__ = ["CompressedFedAvg", "RoundStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundStats:
+    """What happened in one round, before evaluation adds accuracy."""
+
+    record: RoundRecord
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    replica_checks: int = 0
+    replica_mismatches: int = 0
+    client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+class CompressedFedAvg(FedAvg):
+    """FedAvg with compressed uplink and downlink and a server optimizer.
+
+    Parameters
+    ----------
+    cfg
+        The run configuration (codecs, sampling, server optimizer).
+    initial
+        The initial model as float32 numpy arrays by name.
+    """
+
+    def __init__(self, cfg: RunConfig, initial: dict[str, np.ndarray]) -> None:
+        super().__init__(fraction_train=1.0, fraction_evaluate=0.0,
+                         min_train_nodes=1, min_available_nodes=1)
+        self.cfg = cfg
+        self.broadcaster = Broadcaster(initial, cfg.downlink_policy,
+                                       history=cfg.downlink_history, seed=cfg.seed)
+        self.optimizer = ServerOptimizer(
+            cfg.server_optimizer, lr=cfg.server_lr, momentum=cfg.server_momentum,
+            beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau)
+        self.expected = cfg.uplink_policy.expected(self.broadcaster.shapes)
+        self.rng = np.random.default_rng([cfg.seed, 0x5A])
+        #: The round each node's replica is known to be at (a lower bound).
+        self.node_rounds: dict[int, int] = {}
+        self.stats: dict[int, RoundStats] = {}
+        self._sent: dict[int, int] = {}
+
+    def summary(self) -> None:
+        log.info("CompressedFedAvg: uplink %s, downlink %s, small tensors %s (< %d), "
+                 "feedback %s, server optimizer %s (lr %g)", self.cfg.codec,
+                 self.cfg.downlink_codec, self.cfg.small_codec, self.cfg.min_numel,
+                 self.cfg.feedback, self.cfg.server_optimizer, self.cfg.server_lr)
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, grid: Grid) -> list[int]:
+        wanted = self.cfg.clients_per_round
+        minimum = max(self.cfg.min_clients, wanted)
+        while len(nodes := sorted(grid.get_node_ids())) < minimum:
+            log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
+            time.sleep(1)
+        if wanted == 0 or wanted >= len(nodes):
+            return nodes
+        # Sample positions, not ids: node ids are uint64 and numpy would round them
+        # through float64 when they straddle 2**63.
+        chosen = self.rng.choice(len(nodes), size=wanted, replace=False)
+        return [nodes[i] for i in sorted(chosen)]
+
+    # ------------------------------------------------------------------ training
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        nodes = self._sample(grid)
+        settings = ConfigRecord({**self.cfg.to_mapping(), "server-round": server_round})
+        messages = []
+        self._sent = {}
+        for node in nodes:
+            downlink = self.broadcaster.message_for(self.node_rounds.get(node))
+            self._sent[node] = downlink.nbytes
+            content = RecordDict({"config": settings, "downlink": downlink_to_record(downlink)})
+            messages.append(Message(content=content, message_type=MessageType.TRAIN,
+                                    dst_node_id=node))
+        log.info("round %d: sampled %d nodes, downlink %d bytes", server_round, len(nodes),
+                 sum(self._sent.values()))
+        return messages
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        stats = RoundStats(RoundRecord(round=server_round,
+                                       downlink_bytes=sum(self._sent.values())))
+        digest = model_digest(self.broadcaster.model)
+        client_replies = []
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            if msg.has_error():
+                stats.record.clients_failed += 1
+                # We cannot know how far the node got: send it the full model next time.
+                self.node_rounds.pop(node, None)
+                log.warning("node %s failed in round %d: %s", node, server_round,
+                            msg.error.reason)
+                continue
+            try:
+                payload = payload_from_record(msg.content["update"])
+                metrics = dict(msg.content["metrics"])
+                reported = msg.content["replica"]["digest"]
+            except (KeyError, ValueError, TypeError) as exc:
+                stats.record.rejected += 1
+                stats.rejected_by_reason["malformed"] = (
+                    stats.rejected_by_reason.get("malformed", 0) + 1)
+                log.warning("node %s sent a malformed reply: %s", node, exc)
+                continue
+            stats.client_metrics[node] = metrics
+            stats.replica_checks += 1
+            if reported != digest:
+                stats.replica_mismatches += 1
+                log.error("node %s holds a replica that differs from the server's model", node)
+            client_replies.append(
+                ClientReply(node, payload, float(metrics.get("num-examples", 0.0))))
+            stats.record.encode_s += float(metrics.get("encode-s", 0.0))
+            stats.record.train_s += float(metrics.get("train-s", 0.0))
+            # The node applied the downlink: its replica is at the pre-publish round.
+            self.node_rounds[node] = self.broadcaster.round
+
+        result = aggregate_deltas(client_replies, self.expected,
+                                  expected_meta={"round": server_round})
+        stats.record.uplink_bytes = result.received_bytes
+        stats.record.decode_s = result.decode_s
+        stats.record.clients_ok = len(result.accepted)
+        stats.record.rejected += len(result.rejected)
+        for reason, count in result.rejected_by_reason.items():
+            stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + count
+        if result.mean_delta is not None and len(result.accepted) >= self.cfg.min_clients:
+            target = self.optimizer.step(self.broadcaster.model, result.mean_delta)
+            self.broadcaster.publish(target)
+        else:
+            log.warning("round %d: %d accepted updates (< min-clients %d); the model is "
+                        "unchanged", server_round, len(result.accepted), self.cfg.min_clients)
+        self.stats[server_round] = stats
+        arrays = self.current_arrays()
+        metrics = MetricRecord({"clients-ok": stats.record.clients_ok,
+                                "rejected": stats.record.rejected,
+                                "uplink-bytes": stats.record.uplink_bytes})
+        return arrays, metrics
+
+    def current_arrays(self) -> ArrayRecord:
+        """The shared model as an ArrayRecord."""
+        return ArrayRecord({k: Array(v.copy()) for k, v in self.broadcaster.model.items()})
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []

@@ -1,0 +1,120 @@
+"""End to end: real Flower simulations (in process) of the ClientApp and our strategy.
+
+Each simulation takes about 10-20 s on 2 cores, so they are marked slow and few, and
+each checks several things that could each fail.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, Message
+from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.simulation import run_simulation
+
+import clients.app as client_module
+from fedcomp.config import RunConfig
+from fedcomp.flower import payload_from_record
+from fedcomp.results import ROUND_COLUMNS
+from server.app import run_server
+
+pytestmark = pytest.mark.slow
+
+BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+           "init_args": {"num_cpus": 2, "logging_level": "ERROR", "log_to_driver": False}}
+
+
+def simulate(cfg: RunConfig, num_supernodes: int, corrupt_partition: int | None = None):
+    """Run a simulation; return (summary, strategy) from the server side."""
+    outcome = {}
+    server = ServerApp()
+
+    @server.main()
+    def _main(grid: Grid, context: Context) -> None:
+        outcome["summary"], outcome["strategy"] = run_server(grid, cfg, verbose=False)
+
+    client = ClientApp()
+
+    @client.train()
+    def _train(msg: Message, context: Context) -> Message:
+        reply = client_module.train(msg, context)
+        if int(context.node_config["partition-id"]) == corrupt_partition:
+            payload = bytearray(payload_from_record(reply.content["update"]))
+            payload[len(payload) // 2] ^= 0x01  # one flipped bit on the way
+            reply.content["update"] = ConfigRecord({"payload": bytes(payload)})
+        return reply
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    run_simulation(server_app=server, client_app=client, num_supernodes=num_supernodes,
+                   backend_config=BACKEND)
+    assert "summary" in outcome, "the ServerApp did not finish"
+    return outcome["summary"], outcome["strategy"]
+
+
+def _rows(summary, results_dir) -> list[dict]:
+    with open(results_dir / summary["run_name"] / "rounds.csv") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_compressed_run_counts_bytes_uses_feedback_rejects_corruption_and_syncs_replicas(
+        tmp_path):
+    cfg = RunConfig(num_server_rounds=3, clients_per_round=3, local_steps=5, local_epochs=0,
+                    codec="topk:ratio=0.01|quant:bits=4",
+                    downlink_codec="topk:ratio=0.05|quant:bits=8",
+                    results_dir=str(tmp_path), run_name="compressed", seed=3)
+    summary, strategy = simulate(cfg, num_supernodes=4, corrupt_partition=0)
+
+    # The run completed every round and wrote its results.
+    assert summary["rounds_completed"] == 3
+    rows = _rows(summary, tmp_path)
+    assert list(rows[0]) == ROUND_COLUMNS and len(rows) == 3
+    assert json.loads((tmp_path / "compressed" / "summary.json").read_text())[
+        "config"]["codec-config"]["stages"][0]["id"] == "topk"
+
+    corrupted_rounds = 0
+    for rnd, stats in strategy.stats.items():
+        row = rows[rnd - 1]
+        # Bytes counted == bytes the clients put into their messages.
+        assert int(row["uplink_bytes"]) == sum(
+            int(m["payload-bytes"]) for m in stats.client_metrics.values())
+        assert int(row["downlink_bytes"]) == sum(
+            int(m["downlink-bytes"]) for m in stats.client_metrics.values())
+        # The corrupted client is rejected by its checksum; the round goes on.
+        sampled_corrupt = stats.rejected_by_reason.get("checksum", 0)
+        corrupted_rounds += sampled_corrupt
+        assert int(row["clients_ok"]) == len(stats.client_metrics) - sampled_corrupt
+        assert int(row["rejected"]) == sampled_corrupt
+    assert corrupted_rounds >= 1
+    assert summary["rejected_by_reason"] == {"checksum": corrupted_rounds}
+
+    # Error feedback: a client's residual is empty on its first round and carried into
+    # its next one.
+    seen: dict[int, list[float]] = {}
+    for rnd in sorted(strategy.stats):
+        for node, metrics in strategy.stats[rnd].client_metrics.items():
+            seen.setdefault(node, []).append(metrics["residual-norm-in"])
+    assert all(norms[0] == 0.0 for norms in seen.values())
+    assert any(len(norms) > 1 and norms[1] > 0 for norms in seen.values())
+
+    # Every replying client held exactly the server's shared model.
+    assert summary["replica_checks"] >= 8 and summary["replica_mismatches"] == 0
+    # Partial participation: someone caught up on missed compressed updates.
+    assert rows[-1]["cum_downlink_bytes"] > rows[0]["downlink_bytes"]
+
+
+def test_top1_4bit_sends_at_least_50x_fewer_uplink_bytes_than_fp32(tmp_path):
+    base = RunConfig(num_server_rounds=2, local_steps=3, local_epochs=0,
+                     results_dir=str(tmp_path), seed=1)
+    compressed, _ = simulate(base.replace(run_name="topk"), num_supernodes=3)
+    plain, _ = simulate(base.replace(run_name="plain", codec="none", feedback="none"),
+                        num_supernodes=3)
+    assert compressed["rounds_completed"] == plain["rounds_completed"] == 2
+    assert plain["uplink_bytes"] >= 50 * compressed["uplink_bytes"]
+    # fp32 "none" sends the model and a little framing: within 1% of 4 bytes/parameter.
+    assert plain["uplink_bytes"] == pytest.approx(plain["fp32_uplink_bytes"], rel=0.01)
+    assert np.isfinite(compressed["final_accuracy"])
