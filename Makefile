@@ -21,7 +21,7 @@ export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 export PYTHONUNBUFFERED := 1
 
-.PHONY: run test lint bench bench-quick venv clean
+.PHONY: run test lint bench bench-quick datasets venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,20 @@ venv: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/fedcomp simulate --num-supernodes 10 $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)")
 
+## datasets: Debian's Fashion-MNIST files (the benchmark dataset), if missing
+FASHION_DIR := /usr/share/datasets/fashion-mnist
+datasets:
+	@if [ -f $(FASHION_DIR)/train-images-idx3-ubyte.gz ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "Installing Debian's dataset-fashion-mnist..."; \
+	  (apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 || \
+	   (apt-get update -qq >/dev/null 2>&1 && \
+	    apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1)) || \
+	  echo "warning: could not install dataset-fashion-mnist; its tests will be skipped"; \
+	else echo "note: Fashion-MNIST missing; run 'sudo apt-get install dataset-fashion-mnist'"; fi
+
 ## test: lint, then the whole test suite; "no tests collected" is an error
-test: $(STAMP)
+test: $(STAMP) datasets
 	$(VENV)/bin/ruff check .
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "ERROR: pytest collected no tests" >&2; exit 1; fi; \

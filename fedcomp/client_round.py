@@ -111,7 +111,9 @@ def run_client_round(
     """
     torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
     shapes = model_shapes(cfg.dataset)
+    sync_start = time.perf_counter()
     state.replica.apply(message, shapes, cfg.downlink_policy)
+    sync_s = time.perf_counter() - sync_start
     assert state.replica.model is not None
     replica_digest = model_digest(state.replica.model)
 
@@ -139,6 +141,7 @@ def run_client_round(
         "encode-s": update.encode_s,
         "payload-bytes": float(len(update.payload)),
         "downlink-bytes": float(message.nbytes),
+        "downlink-decode-s": sync_s,
         "replica-round": float(state.replica.round or 0),
         "residual-norm-in": residual_in,
     }

@@ -155,7 +155,8 @@ def _partitions(labels_key: bytes, num_partitions: int, scheme: str, alpha: floa
     elif scheme == "pathological":
         partitioner = PathologicalPartitioner(
             num_partitions=num_partitions, partition_by="label",
-            num_classes_per_partition=classes_per_client, seed=seed)
+            num_classes_per_partition=classes_per_client, seed=seed,
+            class_assignment_mode="first-deterministic")  # else some classes go unused
     else:
         raise ValueError(f"unknown partitioning {scheme!r}; choose iid, dirichlet or "
                          "pathological")

@@ -1,0 +1,51 @@
+"""Run configuration: pyproject defaults, validation naming the bad key."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedcomp.config import RunConfig
+from fedcomp.errors import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_pyproject_defaults_are_the_run_config_defaults():
+    app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+    assert RunConfig.from_mapping(app_config["config"]) == RunConfig()
+    assert app_config["components"] == {"serverapp": "server.app:app",
+                                        "clientapp": "clients.app:app"}
+
+
+def test_round_trip_through_kebab_case_keys():
+    cfg = RunConfig(codec="sign", local_steps=7, server_lr=0.5)
+    assert RunConfig.from_mapping(cfg.to_mapping()) == cfg
+    assert cfg.to_mapping()["local-steps"] == 7
+
+
+@pytest.mark.parametrize(
+    ("values", "fragment"),
+    [
+        ({"local-epoch": 3}, "unknown run config key(s) 'local-epoch'"),
+        ({"num-server-rounds": "3"}, "'num-server-rounds' must be int"),
+        ({"dataset": "cifar"}, "'dataset' must be one of digits, fashion-mnist"),
+        ({"codec": "topk:ratio=3"}, "ratio must be <= 1.0"),
+        ({"local-epochs": 0, "local-steps": 0}, "local-epochs > 0 or local-steps > 0"),
+        ({"server-optimizer": "adagrad"}, "'server-optimizer' must be one of"),
+        ({"batch-size": 0}, "'batch-size' must be >= 1"),
+    ],
+)
+def test_bad_values_are_refused_with_the_key_named(values, fragment):
+    with pytest.raises(SpecError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        RunConfig.from_mapping(values)
+
+
+def test_integers_are_accepted_for_float_keys_and_the_digest_ignores_output_paths():
+    assert RunConfig.from_mapping({"lr": 1}).lr == 1.0
+    a = RunConfig(results_dir="a", run_name="x")
+    assert a.digest() == RunConfig(results_dir="b").digest()
+    assert a.digest() != RunConfig(seed=1).digest()
+    assert RunConfig().resolved_run_name.startswith("digits-")
