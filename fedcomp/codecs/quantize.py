@@ -47,6 +47,7 @@ from fedcomp.registry import register_codec
 __all__ = ["BF16", "FP16", "QSGD", "ScaledSign", "Ternary", "Uniform"]
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_SMALLEST_SUBNORMAL = np.finfo(np.float32).smallest_subnormal
 
 
 def _chunks(flat: np.ndarray, chunk: int) -> np.ndarray:
@@ -116,6 +117,9 @@ class Uniform(Codec):
             if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
                 raise ValueError(f"{self.codec_id}: the input contains NaN or Inf")
             step = ((hi.astype(np.float64) - lo) / levels).astype(np.float32)
+            # A range of a few subnormals divided by the levels underflows to 0, which
+            # would round every value to lo: keep the step at least one subnormal.
+            step = np.where(hi > lo, np.maximum(step, _SMALLEST_SUBNORMAL), step)
             if not np.isfinite(step).all():
                 raise ValueError(f"{self.codec_id}: value range exceeds float32")
             # Divide rather than multiply by 1/step: 1/step overflows for subnormal steps.
