@@ -8,6 +8,9 @@ clients), and packs the reply.
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -15,6 +18,7 @@ from fedcomp.client_round import ClientState, model_shapes, run_client_round
 from fedcomp.config import RunConfig
 from fedcomp.data import load_partition
 from fedcomp.downlink import Replica, ReplicaOutOfSync
+from fedcomp.faults import POISON_SCALE, InjectedFault, tamper
 from fedcomp.flower import (
     downlink_from_record,
     load_client_state,
@@ -37,18 +41,27 @@ def train(msg: Message, context: Context) -> Message:
         alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client, seed=cfg.seed,
         data_dir=cfg.data_dir, test_fraction=cfg.test_fraction,
     )
+    fault = cfg.fault_plan.draw(server_round, partition_id)  # None unless fault-* > 0
+    if fault == "dropout":
+        raise InjectedFault(f"injected dropout (round {server_round}, partition {partition_id})")
     state = ClientState.from_arrays(cfg, load_client_state(context.state),
                                     model_shapes(cfg.dataset))
     try:
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
-                                  data, server_round=server_round, client_seed=partition_id)
+                                  data, server_round=server_round, client_seed=partition_id,
+                                  delta_scale=POISON_SCALE if fault == "poison" else 1.0)
     except ReplicaOutOfSync:
         state.replica = Replica()  # the server sends the full model after a failure
         save_client_state(context.state, state.to_arrays())
         raise
     save_client_state(context.state, state.to_arrays())
+    payload = result.payload
+    if fault == "straggler":
+        time.sleep(cfg.round_timeout + 1.0)
+    elif fault in ("corrupt", "lie", "nonfinite", "stale"):
+        payload = tamper(fault, payload, np.random.default_rng([server_round, partition_id]))
     content = RecordDict({
-        "update": payload_to_record(result.payload),
+        "update": payload_to_record(payload),
         "metrics": MetricRecord(result.metrics),
         "replica": ConfigRecord({"digest": result.replica_digest}),
     })

@@ -1,6 +1,8 @@
-"""``fedcomp`` command line: run the Flower simulation the way a user would.
+"""``fedcomp`` command line: simulations, sweeps and reports.
 
     fedcomp simulate [--num-supernodes 10] [--run-config "key=value ..."]
+    fedcomp sweep experiments/sweeps/smoke.toml --out results/smoke
+    fedcomp report results/smoke [--target 0.9]
 
 ``simulate`` wraps Flower's own CLI (``flwr run . local``), because that is the path
 users take and the one that must work: it starts (or reuses) the local SuperLink,
@@ -98,6 +100,38 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def sweep(args: argparse.Namespace) -> int:
+    from fedcomp.sweep import Sweep, run_sweep
+
+    plan = Sweep.load(args.file)
+    print(f"sweep {plan.name}: {len(plan.runs)} runs x {plan.num_supernodes} clients -> "
+          f"{args.out}", flush=True)
+
+    def runner(config, num_supernodes):
+        # Imported here: running simulations needs Flower, the sweep logic does not.
+        from server.simulation import simulate
+
+        summary, _ = simulate(config, num_supernodes=num_supernodes, verbose=args.verbose)
+        return summary
+
+    for key, value in FLOWER_ENV.items():
+        os.environ.setdefault(key, value)
+    rows = run_sweep(plan, args.out, runner)
+    failed = [r for r in rows if r["status"] == "failed"]
+    print(f"\n{len(rows) - len(failed)} of {len(rows)} runs complete; "
+          f"{Path(args.out) / 'runs.csv'}" + (f"; {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from fedcomp.report import write_report
+
+    table, paths = write_report(args.dir, args.target)
+    print(table)
+    print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fedcomp", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -110,6 +144,16 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--run-name", default="", help="results folder name (default: time)")
     sim.add_argument("--results-dir", default="results")
     sim.set_defaults(handler=simulate)
+    sw = commands.add_parser("sweep", help="run every combination of a sweep file")
+    sw.add_argument("file", help="sweep TOML file ([base], [grid], [simulation])")
+    sw.add_argument("--out", required=True, help="folder for the runs and runs.csv")
+    sw.add_argument("--verbose", action="store_true", help="show Flower's own log")
+    sw.set_defaults(handler=sweep)
+    rep = commands.add_parser("report", help="table and plots of a sweep folder")
+    rep.add_argument("dir", help="a folder written by fedcomp sweep")
+    rep.add_argument("--target", type=float, default=None,
+                     help="target accuracy (default: best of codec=none runs - 0.01)")
+    rep.set_defaults(handler=report)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -24,7 +24,7 @@ import torch
 from fedcomp.config import RunConfig
 from fedcomp.data import ArrayDataset
 from fedcomp.downlink import DownlinkMessage, Replica, model_digest
-from fedcomp.feedback import ErrorFeedback, StateMismatchError, make_feedback
+from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
 from fedcomp.models import build_model
 from fedcomp.policy import encode_update
 from fedcomp.training import state_arrays, train
@@ -98,8 +98,15 @@ def run_client_round(
     *,
     server_round: int,
     client_seed: int,
+    delta_scale: float = 1.0,
 ) -> ClientResult:
     """Sync the replica, train locally, and encode the delta with error feedback.
+
+    ``client_seed`` (the partition id) seeds the client's shuffling and codec
+    randomness and orders the server's sum. ``delta_scale`` multiplies the delta
+    before encoding; fault injection uses it to play a poisoned message. That message
+    is encoded without error feedback and leaves the client's memory untouched, so
+    one poisoned round does not turn the client into a permanent poisoner.
 
     Raises
     ------
@@ -126,16 +133,21 @@ def run_client_round(
     train_s = time.perf_counter() - start
     after = state_arrays(model)
     delta = {k: after[k] - v for k, v in state.replica.model.items()}
+    feedback = state.feedback
+    if delta_scale != 1.0:
+        delta = {k: v * np.float32(delta_scale) for k, v in delta.items()}
+        feedback = NoFeedback()
 
     residual_in = (state.feedback.residual_norm()
                    if isinstance(state.feedback, ErrorFeedback) else 0.0)
     update = encode_update(
-        delta, cfg.uplink_policy, feedback=state.feedback,
+        delta, cfg.uplink_policy, feedback=feedback,
         rng=np.random.default_rng([cfg.seed, client_seed, server_round]),
         meta={"round": server_round},
     )
     metrics = {
         "num-examples": float(len(data)),
+        "partition-id": float(client_seed),
         "train-loss": float(loss),
         "train-s": train_s,
         "encode-s": update.encode_s,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcomp.errors import SpecError
+from fedcomp.faults import FAULT_KINDS, FaultPlan
 from fedcomp.pipeline import Pipeline
 from fedcomp.policy import CompressionPolicy
 
@@ -28,6 +29,7 @@ _CHOICES = {
     "partitioning": ("iid", "dirichlet", "pathological"),
     "feedback": ("ef", "ef21", "none"),
     "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
+    "norm_action": ("reject", "clip"),
 }
 
 
@@ -68,6 +70,18 @@ class RunConfig:
     server_beta2: float = 0.99
     server_tau: float = 1e-3
     round_timeout: float = 600.0
+    norm_bound: float = 0.0
+    norm_action: str = "reject"
+    fault_dropout: float = 0.0
+    fault_straggler: float = 0.0
+    fault_corrupt: float = 0.0
+    fault_lie: float = 0.0
+    fault_nonfinite: float = 0.0
+    fault_poison: float = 0.0
+    fault_stale: float = 0.0
+    fault_seed: int = 0
+    checkpoint: bool = True
+    resume: bool = False
     seed: int = 0
     run_name: str = ""
     results_dir: str = "results"
@@ -108,6 +122,15 @@ class RunConfig:
                             f"got {self.test_fraction!r}")
         if self.dirichlet_alpha == 0 and self.partitioning == "dirichlet":
             raise SpecError("run config 'dirichlet-alpha' must be > 0")
+        if self.norm_bound != 0 and self.norm_bound < 1:
+            raise SpecError(f"run config 'norm-bound' must be 0 (off) or >= 1 (a multiple "
+                            f"of the round's median update norm), got {self.norm_bound!r}")
+        if self.round_timeout <= 0:
+            raise SpecError(f"run config 'round-timeout' must be > 0, got {self.round_timeout!r}")
+        try:
+            self.fault_plan  # noqa: B018  (validates the fault probabilities)
+        except ValueError as exc:
+            raise SpecError(f"run config fault-*: {exc}") from None
         object.__setattr__(self, "_policies", (
             CompressionPolicy(self.codec, self.small_codec, self.min_numel),
             CompressionPolicy(self.downlink_codec, self.small_codec, self.min_numel),
@@ -140,6 +163,12 @@ class RunConfig:
     def downlink_policy(self) -> CompressionPolicy:
         return self._policies[1]
 
+    @property
+    def fault_plan(self) -> FaultPlan:
+        """The fault injection plan (inactive unless some ``fault-*`` key is > 0)."""
+        return FaultPlan({kind: getattr(self, f"fault_{kind}") for kind in FAULT_KINDS},
+                         seed=self.fault_seed)
+
     def describe(self) -> dict[str, Any]:
         """The config plus the parsed codec configs (for ``summary.json``)."""
         out = self.to_mapping()
@@ -151,7 +180,7 @@ class RunConfig:
     def digest(self) -> str:
         """A short stable hash of everything that shapes the run's results."""
         settings = {k: v for k, v in self.to_mapping().items()
-                    if k not in ("run-name", "results-dir")}
+                    if k not in ("run-name", "results-dir", "resume", "checkpoint")}
         blob = json.dumps(settings, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 

@@ -20,8 +20,8 @@ __all__ = ["ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"
 
 ROUND_COLUMNS = [
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
-    "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "encode_s",
-    "decode_s", "train_s",
+    "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
+    "encode_s", "decode_s", "train_s",
 ]
 
 
@@ -39,6 +39,7 @@ class RoundRecord:
     clients_ok: int = 0
     clients_failed: int = 0
     rejected: int = 0
+    timed_out: int = 0
     encode_s: float = 0.0
     decode_s: float = 0.0
     train_s: float = 0.0
@@ -72,8 +73,31 @@ class RunRecorder:
         self.started = time.perf_counter()
         self.initial_accuracy = math.nan
         self._csv_path = self.out_dir / "rounds.csv"
+        self._rewrite_csv()
+
+    def _rewrite_csv(self) -> None:
         with self._csv_path.open("w", newline="") as handle:
-            csv.writer(handle).writerow(ROUND_COLUMNS)
+            writer = csv.writer(handle)
+            writer.writerow(ROUND_COLUMNS)
+            for row in self.rows:
+                values = asdict(row)
+                writer.writerow([values[c] for c in ROUND_COLUMNS])
+
+    def state(self) -> dict[str, Any]:
+        """JSON-able progress, for checkpoints."""
+        return {"rows": [asdict(r) for r in self.rows],
+                "rejected_by_reason": self.rejected_by_reason,
+                "replies_ok": self.replies_ok, "initial_accuracy": self.initial_accuracy,
+                "elapsed_s": time.perf_counter() - self.started}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state`: rows so far are kept, the clock goes on."""
+        self.rows = [RoundRecord(**row) for row in state["rows"]]
+        self.rejected_by_reason = dict(state["rejected_by_reason"])
+        self.replies_ok = int(state["replies_ok"])
+        self.initial_accuracy = float(state["initial_accuracy"])
+        self.started = time.perf_counter() - float(state["elapsed_s"])
+        self._rewrite_csv()
 
     def record(self, row: RoundRecord, rejected_by_reason: dict[str, int] | None = None) -> None:
         """Append a finished round (cumulative columns are filled in here)."""
@@ -95,7 +119,7 @@ class RunRecorder:
                 f"[round {row.round:>3}/{self.num_rounds}] acc {row.accuracy:.4f} "
                 f"loss {row.loss:.4f} | up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
                 f"vs fp32) down {row.downlink_bytes / 1e3:,.1f} kB | ok {row.clients_ok} "
-                f"failed {row.clients_failed} rejected {row.rejected} | "
+                f"failed {row.clients_failed} rejected {row.rejected} late {row.timed_out} | "
                 f"{time.perf_counter() - self.started:.1f} s",
                 flush=True,
             )

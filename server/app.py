@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
+from fedcomp.checkpoint import load_checkpoint, save_checkpoint
 from fedcomp.config import RunConfig
 from fedcomp.data import load_dataset
 from fedcomp.models import build_model
@@ -32,42 +34,79 @@ def main(grid: Grid, context: Context) -> None:
     run_server(grid, RunConfig.from_mapping(context.run_config))
 
 
-def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True
+def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
+               on_round_end: Callable[[int], None] | None = None,
                ) -> tuple[dict[str, Any], CompressedFedAvg]:
-    """Run the whole federated job; return the summary and the strategy."""
+    """Run the whole federated job; return the summary and the strategy.
+
+    After every round the results files are updated and, with ``checkpoint = true``,
+    ``checkpoint.npz`` is written atomically beside them. With ``resume = true`` a
+    run continues from that checkpoint (same run name, same settings).
+    ``on_round_end(round)`` is called after the checkpoint (tests use it to play a
+    server that dies).
+    """
     torch.set_num_threads(1)
     model = build_model(cfg.dataset, seed=cfg.seed)
     initial = state_arrays(model)
     _, test = load_dataset(cfg.dataset, cfg.data_dir, cfg.test_fraction, cfg.seed)
     strategy = CompressedFedAvg(cfg, initial)
-    recorder = RunRecorder(
-        Path(cfg.results_dir) / cfg.resolved_run_name, cfg.describe(),
-        model_bytes=4 * sum(v.size for v in initial.values()),
-        num_rounds=cfg.num_server_rounds, verbose=verbose,
-    )
+    out_dir = Path(cfg.results_dir) / cfg.resolved_run_name
+    recorder = RunRecorder(out_dir, cfg.describe(),
+                           model_bytes=4 * sum(v.size for v in initial.values()),
+                           num_rounds=cfg.num_server_rounds, verbose=verbose)
+    checkpoint_path = out_dir / "checkpoint.npz"
+    done = _resume(cfg, checkpoint_path, strategy, recorder) if cfg.resume else 0
     if verbose:
         print(f"fedcomp: {cfg.dataset}, {cfg.num_server_rounds} rounds, uplink "
               f"{cfg.codec!r}, downlink {cfg.downlink_codec!r}, feedback {cfg.feedback}; "
-              f"results in {recorder.out_dir}", flush=True)
+              f"results in {recorder.out_dir}"
+              + (f"; resuming after round {done}" if done else ""), flush=True)
 
-    def evaluate_fn(server_round: int, _arrays: Any) -> MetricRecord:
+    def evaluate_fn(flower_round: int, _arrays: Any) -> MetricRecord:
         # Evaluate the shared model: exactly what clients hold.
         model.load_state_dict({k: torch.from_numpy(v.copy())
                                for k, v in strategy.broadcaster.model.items()})
         accuracy, loss = evaluate(model, test.x, test.y)
-        if server_round == 0:
-            recorder.initial_accuracy = accuracy
+        server_round = flower_round + done
+        if flower_round == 0:
+            if not done:
+                recorder.initial_accuracy = accuracy
         elif server_round in strategy.stats:
             stats = strategy.stats[server_round]
             stats.record.accuracy, stats.record.loss = accuracy, loss
             recorder.record(stats.record, stats.rejected_by_reason)
+            if cfg.checkpoint:
+                arrays, meta = strategy.state_dict()
+                save_checkpoint(checkpoint_path, arrays, {
+                    "round": server_round, "config_digest": cfg.digest(),
+                    "strategy": meta, "recorder": recorder.state()})
+            if on_round_end is not None:
+                on_round_end(server_round)
         return MetricRecord({"accuracy": accuracy, "loss": loss if math.isfinite(loss) else -1})
 
-    strategy.start(grid=grid, initial_arrays=strategy.current_arrays(),
-                   num_rounds=cfg.num_server_rounds, timeout=cfg.round_timeout,
-                   evaluate_fn=evaluate_fn)
+    if cfg.num_server_rounds > done:
+        strategy.start(grid=grid, initial_arrays=strategy.current_arrays(),
+                       num_rounds=cfg.num_server_rounds - done, timeout=cfg.round_timeout,
+                       evaluate_fn=evaluate_fn)
     recorder.extra = {
         "replica_checks": sum(s.replica_checks for s in strategy.stats.values()),
         "replica_mismatches": sum(s.replica_mismatches for s in strategy.stats.values()),
+        "resumed_after_round": done,
     }
     return recorder.finish(), strategy
+
+
+def _resume(cfg: RunConfig, path: Path, strategy: CompressedFedAvg,
+            recorder: RunRecorder) -> int:
+    """Load the checkpoint into the strategy and recorder; return the rounds done."""
+    if not path.exists():
+        log.warning("resume = true but %s does not exist: starting from round 1", path)
+        return 0
+    arrays, meta = load_checkpoint(path)
+    if meta["config_digest"] != cfg.digest():
+        raise ValueError(f"{path} was written by a run with other settings; use another "
+                         "run-name or the same settings to resume")
+    strategy.load_state_dict(arrays, meta["strategy"])
+    recorder.restore(meta["recorder"])
+    strategy.round_offset = int(meta["round"])
+    return int(meta["round"])

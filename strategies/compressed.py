@@ -86,6 +86,9 @@ class CompressedFedAvg(FedAvg):
         self.node_rounds: dict[int, int] = {}
         self.stats: dict[int, RoundStats] = {}
         self._sent: dict[int, int] = {}
+        #: Rounds completed before this process started (resumed runs): Flower counts
+        #: from 1 again, we do not.
+        self.round_offset = 0
 
     def summary(self) -> None:
         log.info("CompressedFedAvg: uplink %s, downlink %s, small tensors %s (< %d), "
@@ -110,6 +113,7 @@ class CompressedFedAvg(FedAvg):
     # ------------------------------------------------------------------ training
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
+        server_round += self.round_offset
         nodes = self._sample(grid)
         settings = ConfigRecord({**self.cfg.to_mapping(), "server-round": server_round})
         messages = []
@@ -126,9 +130,15 @@ class CompressedFedAvg(FedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        server_round += self.round_offset
         replies = list(replies)
         stats = RoundStats(RoundRecord(round=server_round,
                                        downlink_bytes=sum(self._sent.values())))
+        # Replies that did not arrive before the round timeout were dropped by Flower.
+        stats.record.timed_out = max(0, len(self._sent) - len(replies))
+        if stats.record.timed_out:
+            log.warning("round %d: %d sampled nodes did not reply within %g s",
+                        server_round, stats.record.timed_out, self.cfg.round_timeout)
         digest = model_digest(self.broadcaster.model)
         client_replies = []
         for msg in replies:
@@ -155,15 +165,18 @@ class CompressedFedAvg(FedAvg):
             if reported != digest:
                 stats.replica_mismatches += 1
                 log.error("node %s holds a replica that differs from the server's model", node)
-            client_replies.append(
-                ClientReply(node, payload, float(metrics.get("num-examples", 0.0))))
+            client_replies.append(ClientReply(
+                node, payload, float(metrics.get("num-examples", 0.0)),
+                order_key=int(metrics.get("partition-id", 0))))
             stats.record.encode_s += float(metrics.get("encode-s", 0.0))
             stats.record.train_s += float(metrics.get("train-s", 0.0))
             # The node applied the downlink: its replica is at the pre-publish round.
             self.node_rounds[node] = self.broadcaster.round
 
         result = aggregate_deltas(client_replies, self.expected,
-                                  expected_meta={"round": server_round})
+                                  expected_meta={"round": server_round},
+                                  norm_bound=self.cfg.norm_bound,
+                                  norm_action=self.cfg.norm_action)
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
         stats.record.clients_ok = len(result.accepted)
@@ -182,6 +195,36 @@ class CompressedFedAvg(FedAvg):
                                 "rejected": stats.record.rejected,
                                 "uplink-bytes": stats.record.uplink_bytes})
         return arrays, metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Everything needed to continue the run: arrays and JSON-able metadata."""
+        b = self.broadcaster
+        arrays = {f"model/{k}": v for k, v in b.model.items()}
+        arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
+        arrays.update({f"dl-feedback/{k}": v for k, v in b.feedback.state_dict().items()})
+        arrays.update({f"dl-update/{r}": np.frombuffer(p, dtype=np.uint8)
+                       for r, p in b.updates.items()})
+        meta = {"downlink_round": b.round,
+                "node_rounds": {str(k): v for k, v in self.node_rounds.items()},
+                "rng": self.rng.bit_generator.state,
+                "downlink_rng": b.rng.bit_generator.state}
+        return arrays, meta
+
+    def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        b = self.broadcaster
+        b.model = {k[len("model/"):]: np.array(v, dtype=np.float32)
+                   for k, v in arrays.items() if k.startswith("model/")}
+        self.optimizer.load_state_dict({k[len("opt/"):]: v for k, v in arrays.items()
+                                        if k.startswith("opt/")})
+        b.feedback.load_state_dict({k[len("dl-feedback/"):]: v for k, v in arrays.items()
+                                    if k.startswith("dl-feedback/")})
+        b.updates = {int(k[len("dl-update/"):]): v.tobytes() for k, v in arrays.items()
+                     if k.startswith("dl-update/")}
+        b.round = int(meta["downlink_round"])
+        self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
+        self.rng.bit_generator.state = meta["rng"]
+        b.rng.bit_generator.state = meta["downlink_rng"]
 
     def current_arrays(self) -> ArrayRecord:
         """The shared model as an ArrayRecord."""

@@ -51,3 +51,40 @@ def test_nothing_accepted_gives_no_mean():
     assert result.mean_delta is None and len(result.rejected) == 1
     with pytest.raises(AssertionError):
         assert result.accepted
+
+
+def _scaled(node, scale):
+    rng = np.random.default_rng(node)
+    tensors = {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+    return ClientReply(node, encode_update(tensors, POLICY, rng=rng).payload, 10, order_key=node)
+
+
+def test_norm_bound_rejects_or_clips_a_poisoned_update_and_spares_clean_ones():
+    replies = [_scaled(i, 1.0) for i in range(5)] + [_scaled(9, 1e6)]
+    expected = POLICY.expected(SHAPES)
+    plain = aggregate_deltas(replies, expected)
+    assert plain.accepted == [0, 1, 2, 3, 4, 9]  # off by default: the poison gets in
+    assert np.abs(plain.mean_delta["w"]).max() > 1e4
+
+    rejected = aggregate_deltas(replies, expected, norm_bound=3.0)
+    assert rejected.accepted == [0, 1, 2, 3, 4]
+    assert rejected.rejected_by_reason == {"norm": 1}
+    np.testing.assert_allclose(
+        rejected.mean_delta["w"], aggregate_deltas(replies[:5], expected).mean_delta["w"])
+
+    clipped = aggregate_deltas(replies, expected, norm_bound=3.0, norm_action="clip")
+    assert clipped.clipped == [9] and len(clipped.accepted) == 6
+    median = float(np.median(list(clipped.norms.values())))
+    assert np.abs(clipped.mean_delta["w"]).max() < 3.0 * median
+
+    clean = aggregate_deltas(replies[:5], expected, norm_bound=3.0)
+    assert clean.accepted == [0, 1, 2, 3, 4] and not clean.rejected
+
+
+def test_the_sum_does_not_depend_on_arrival_order():
+    replies = [_scaled(i, 1.0 + i) for i in range(6)]
+    expected = POLICY.expected(SHAPES)
+    forward = aggregate_deltas(replies, expected).mean_delta
+    backward = aggregate_deltas(replies[::-1], expected).mean_delta
+    for name in SHAPES:
+        np.testing.assert_array_equal(forward[name], backward[name])

@@ -54,3 +54,14 @@ def test_state_for_another_codec_or_model_is_dropped_not_fatal():
     wrong_model = {**saved, "replica": {**saved["replica"],
                                        "replica/fc2.bias": np.zeros(3, np.float32)}}
     assert ClientState.from_arrays(CFG, wrong_model, model_shapes("digits")).replica.model is None
+
+
+def test_a_poisoned_message_leaves_the_clients_error_feedback_untouched():
+    server, data = _setup()
+    state = ClientState.fresh(CFG)
+    poisoned = run_client_round(CFG, state, server.message_for(None), data, server_round=1,
+                                client_seed=0, delta_scale=1e6)
+    assert state.feedback.memory == {}  # nothing of the 1e6-scaled delta is carried on
+    decoded = unpack_payload(poisoned.payload,
+                             expected=CFG.uplink_policy.expected(server.shapes))
+    assert max(float(np.abs(v).max()) for v in decoded.tensors.values()) > 1e3

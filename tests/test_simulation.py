@@ -8,36 +8,22 @@ from __future__ import annotations
 
 import csv
 import json
-import logging
 
 import numpy as np
 import pytest
 from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp import Grid, ServerApp
-from flwr.simulation import run_simulation
 
 import clients.app as client_module
 from fedcomp.config import RunConfig
 from fedcomp.flower import payload_from_record
 from fedcomp.results import ROUND_COLUMNS
-from server.app import run_server
+from server.simulation import simulate as run_simulation_in_process
 
 pytestmark = pytest.mark.slow
 
-BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-           "init_args": {"num_cpus": 2, "logging_level": "ERROR", "log_to_driver": False}}
-
-
 def simulate(cfg: RunConfig, num_supernodes: int, corrupt_partition: int | None = None):
-    """Run a simulation; return (summary, strategy) from the server side."""
-    outcome = {}
-    server = ServerApp()
-
-    @server.main()
-    def _main(grid: Grid, context: Context) -> None:
-        outcome["summary"], outcome["strategy"] = run_server(grid, cfg, verbose=False)
-
+    """Run a simulation, optionally with one client flipping a bit of its payload."""
     client = ClientApp()
 
     @client.train()
@@ -49,11 +35,7 @@ def simulate(cfg: RunConfig, num_supernodes: int, corrupt_partition: int | None 
             reply.content["update"] = ConfigRecord({"payload": bytes(payload)})
         return reply
 
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    run_simulation(server_app=server, client_app=client, num_supernodes=num_supernodes,
-                   backend_config=BACKEND)
-    assert "summary" in outcome, "the ServerApp did not finish"
-    return outcome["summary"], outcome["strategy"]
+    return run_simulation_in_process(cfg, num_supernodes=num_supernodes, client_app=client)
 
 
 def _rows(summary, results_dir) -> list[dict]:

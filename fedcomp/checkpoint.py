@@ -1,0 +1,60 @@
+"""Atomic checkpoints: a flat dict of numpy arrays plus JSON-able metadata.
+
+Written to a temporary file in the same folder and moved into place with
+``os.replace``, so a process killed mid-write leaves the previous checkpoint intact.
+Read back with ``allow_pickle=False``: a checkpoint is data, never code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+
+_META = "__meta__"
+FORMAT = "fedcomp.checkpoint/1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable or for another run."""
+
+
+def save_checkpoint(path: str | Path, arrays: Mapping[str, np.ndarray],
+                    meta: Mapping[str, Any]) -> None:
+    """Write ``arrays`` and ``meta`` to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = json.dumps({"format": FORMAT, **meta}).encode()
+    payload = {**arrays, _META: np.frombuffer(blob, dtype=np.uint8)}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Read a checkpoint written by :func:`save_checkpoint`."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    if _META not in arrays:
+        raise CheckpointError(f"{path} is not a fedcomp checkpoint")
+    meta = json.loads(arrays.pop(_META).tobytes())
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    return arrays, meta

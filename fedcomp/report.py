@@ -1,0 +1,195 @@
+"""Sweep reports: accuracy against bytes, and how many bytes each method needs.
+
+``fedcomp report DIR`` reads a sweep's ``runs.csv`` and every run's ``rounds.csv``. It
+groups runs into *methods* (all grid values but the seed), and writes:
+
+* ``accuracy_vs_uplink.png``: accuracy against cumulative uplink MB (log axis),
+  the picture this field judges compression methods by;
+* ``accuracy_vs_round.png``;
+* ``report.md`` and a printed table: for a target accuracy (by default the best
+  accuracy of the ``codec = "none"`` runs minus one point), the cumulative uplink and
+  total bytes at the first round each method reaches it, and the factor against the
+  uncompressed runs. Means and spread (min-max) over seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MethodResult", "RunResult", "build_report", "bytes_to_target", "load_runs",
+           "plot_runs", "write_report"]
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    values: dict[str, Any]
+    rounds: list[dict[str, float]]
+    summary: dict[str, Any]
+
+    @property
+    def method(self) -> str:
+        parts = [str(v) if k == "method" else f"{k}={v}"
+                 for k, v in self.values.items() if k != "seed"]
+        return ", ".join(parts) or "base"
+
+
+@dataclass
+class MethodResult:
+    method: str
+    runs: list[RunResult]
+    best_accuracy: list[float] = field(default_factory=list)
+    uplink_to_target: list[float | None] = field(default_factory=list)
+    total_to_target: list[float | None] = field(default_factory=list)
+    round_to_target: list[int | None] = field(default_factory=list)
+
+
+def _number(text: str) -> float:
+    return float(text) if text not in ("", "nan") else math.nan
+
+
+def load_runs(out_dir: str | Path) -> list[RunResult]:
+    """Completed runs of a sweep folder, in runs.csv order."""
+    out = Path(out_dir)
+    with (out / "runs.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    columns = json.loads((out / "sweep.json").read_text())["columns"]
+    results = []
+    for row in rows:
+        if row["status"] != "complete":
+            continue
+        run_dir = out / row["run_id"]
+        with (run_dir / "rounds.csv").open() as handle:
+            rounds = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(handle)]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        values = {k: row[k] if k == "method" else summary["config"].get(k, row.get(k))
+                  for k in columns}
+        results.append(RunResult(row["run_id"], values, rounds, summary))
+    return results
+
+
+def bytes_to_target(rounds: list[dict[str, float]], target: float
+                    ) -> tuple[int, float, float] | None:
+    """(round, cumulative uplink, cumulative total bytes) when accuracy first >= target."""
+    for row in rounds:
+        if row["accuracy"] >= target:
+            return (int(row["round"]), row["cum_uplink_bytes"],
+                    row["cum_uplink_bytes"] + row["cum_downlink_bytes"])
+    return None
+
+
+def build_report(runs: list[RunResult], target: float | None = None
+                 ) -> tuple[float, list[MethodResult]]:
+    """Group runs into methods and compute bytes-to-target; return (target, methods)."""
+    if target is None:
+        baseline = [r.summary["best_accuracy"] for r in runs
+                    if r.summary["config"].get("codec") == "none"]
+        if not baseline:
+            raise ValueError("no codec = \"none\" run to take the target from: pass --target")
+        target = statistics.mean(baseline) - 0.01
+    methods: dict[str, MethodResult] = {}
+    for run in runs:
+        method = methods.setdefault(run.method, MethodResult(run.method, []))
+        method.runs.append(run)
+        method.best_accuracy.append(run.summary["best_accuracy"])
+        reached = bytes_to_target(run.rounds, target)
+        method.round_to_target.append(reached[0] if reached else None)
+        method.uplink_to_target.append(reached[1] if reached else None)
+        method.total_to_target.append(reached[2] if reached else None)
+    return target, list(methods.values())
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.mean(present) if present and len(present) == len(values) else None
+
+
+def _spread(values: list[float | None]) -> str:
+    present = [v for v in values if v is not None]
+    if len(present) < 2:
+        return ""
+    return f" [{min(present) / 1e6:.3g}-{max(present) / 1e6:.3g}]"
+
+
+def format_table(target: float, methods: list[MethodResult]) -> str:
+    """A markdown table: accuracy, bytes to target, factor against codec = none."""
+    reference = next((m for m in methods
+                      if m.runs[0].summary["config"].get("codec") == "none"), None)
+    ref_up = _mean(reference.uplink_to_target) if reference else None
+    ref_total = _mean(reference.total_to_target) if reference else None
+    lines = [
+        f"Target accuracy: {target:.4f}. Bytes are means over seeds (min-max in brackets); "
+        "a method that misses the target in any seed shows '-'.",
+        "",
+        "| method | seeds | best acc | rounds to target | uplink MB to target | "
+        "total MB to target | uplink x | total x |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in methods:
+        up, total = _mean(m.uplink_to_target), _mean(m.total_to_target)
+        rounds = _mean([float(r) if r is not None else None for r in m.round_to_target])
+        lines.append(
+            f"| {m.method} | {len(m.runs)} | {statistics.mean(m.best_accuracy):.4f} | "
+            f"{'-' if rounds is None else f'{rounds:.1f}'} | "
+            f"{'-' if up is None else f'{up / 1e6:.4g}{_spread(m.uplink_to_target)}'} | "
+            f"{'-' if total is None else f'{total / 1e6:.4g}{_spread(m.total_to_target)}'} | "
+            f"{'-' if up is None or not ref_up else f'{ref_up / up:.1f}'} | "
+            f"{'-' if total is None or not ref_total else f'{ref_total / total:.1f}'} |")
+    return "\n".join(lines)
+
+
+def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list[Path]:
+    """Write the two PNG plots; return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for name, x_key, x_label, log_x in (
+        ("accuracy_vs_uplink.png", "cum_uplink_bytes", "cumulative uplink MB (log)", True),
+        ("accuracy_vs_round.png", "round", "round", False),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+        for m in methods:
+            length = min(len(r.rounds) for r in m.runs)
+            if length == 0:
+                continue
+            xs = [statistics.mean(r.rounds[i][x_key] for r in m.runs) for i in range(length)]
+            if x_key != "round":
+                xs = [x / 1e6 for x in xs]
+            accs = [[r.rounds[i]["accuracy"] for r in m.runs] for i in range(length)]
+            line, = ax.plot(xs, [statistics.mean(a) for a in accs], label=m.method, lw=1.5)
+            if len(m.runs) > 1:
+                ax.fill_between(xs, [min(a) for a in accs], [max(a) for a in accs],
+                                color=line.get_color(), alpha=0.15)
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_report(out_dir: str | Path, target: float | None = None) -> tuple[str, list[Path]]:
+    """Build the report of a sweep folder; write report.md and the plots."""
+    out = Path(out_dir)
+    target, methods = build_report(load_runs(out), target)
+    table = format_table(target, methods)
+    paths = plot_runs(methods, out, target)
+    (out / "report.md").write_text(table + "\n\n" + "\n".join(
+        f"![{p.stem}]({p.name})" for p in paths) + "\n")
+    return table, paths

@@ -1,0 +1,74 @@
+"""Fault injection: deterministic draws; each payload fault is rejected for its reason."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from fedcomp.aggregation import ClientReply, aggregate_deltas
+from fedcomp.errors import PayloadError
+from fedcomp.faults import FaultPlan, tamper
+from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.wire import unpack_payload
+
+SHAPES = {"w": (40, 50), "b": (40,)}
+POLICY = CompressionPolicy("topk:ratio=0.05|quant:bits=4|zstd", min_numel=100)
+
+
+def _payload(seed: int = 0, round_: int = 3) -> bytes:
+    rng = np.random.default_rng(seed)
+    tensors = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    return encode_update(tensors, POLICY, rng=rng, meta={"round": round_}).payload
+
+
+def test_draws_are_deterministic_and_follow_the_probabilities():
+    plan = FaultPlan({"dropout": 0.3, "corrupt": 0.1}, seed=4)
+    draws = [plan.draw(r, p) for r in range(1, 201) for p in range(20)]
+    assert draws == [plan.draw(r, p) for r in range(1, 201) for p in range(20)]
+    counts = collections.Counter(draws)
+    assert abs(counts["dropout"] / len(draws) - 0.3) < 0.02
+    assert abs(counts["corrupt"] / len(draws) - 0.1) < 0.02
+    assert set(counts) == {None, "dropout", "corrupt"}
+    assert FaultPlan({}).draw(1, 1) is None
+    with pytest.raises(ValueError, match="add up to at most 1"):
+        FaultPlan({"dropout": 0.7, "lie": 0.4})
+
+
+@pytest.mark.parametrize(
+    ("kind", "reasons"),
+    [
+        ("corrupt", {"checksum", "truncated", "size"}),
+        ("lie", {"shape", "size", "model", "zstd", "header"}),
+        ("nonfinite", {"non-finite"}),
+    ],
+)
+def test_payload_faults_are_rejected_for_their_reason(kind, reasons):
+    seen = set()
+    for seed in range(30):
+        hostile = tamper(kind, _payload(seed), np.random.default_rng(seed))
+        with pytest.raises(PayloadError) as info:
+            unpack_payload(hostile, expected=POLICY.expected(SHAPES))
+        seen.add(info.value.reason)
+    assert seen <= reasons and seen
+
+
+def test_a_stale_payload_decodes_but_is_rejected_by_round():
+    stale = tamper("stale", _payload(round_=3), np.random.default_rng(0))
+    assert unpack_payload(stale, expected=POLICY.expected(SHAPES)).meta["round"] == 2
+    result = aggregate_deltas([ClientReply(1, stale, 10)], POLICY.expected(SHAPES),
+                              expected_meta={"round": 3})
+    assert result.rejected_by_reason == {"stale": 1}
+
+
+def test_the_lie_fault_includes_a_zstd_bomb_that_is_rejected_cheaply():
+    rng = np.random.default_rng(0)
+    reasons = set()
+    for _ in range(40):
+        hostile = tamper("lie", _payload(), rng)
+        try:
+            unpack_payload(hostile, expected=POLICY.expected(SHAPES))
+        except PayloadError as exc:
+            reasons.add(exc.reason)
+    assert "zstd" in reasons

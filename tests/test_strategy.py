@@ -1,0 +1,56 @@
+"""CompressedFedAvg hooks called directly with Flower messages built in memory."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedcomp.config import RunConfig
+from fedcomp.downlink import model_digest
+from fedcomp.flower import payload_to_record
+from fedcomp.policy import encode_update
+from strategies.compressed import CompressedFedAvg
+
+SHAPES = {"w": (30, 40), "b": (30,)}
+
+
+class FakeGrid:
+    def __init__(self, nodes):
+        self.nodes = nodes
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+
+def _reply(request: Message, strategy: CompressedFedAvg, round_: int, node: int) -> Message:
+    rng = np.random.default_rng(node)
+    delta = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    payload = encode_update(delta, strategy.cfg.uplink_policy, rng=rng,
+                            meta={"round": round_}).payload
+    content = RecordDict({
+        "update": payload_to_record(payload),
+        "metrics": MetricRecord({"num-examples": 10.0, "partition-id": float(node)}),
+        "replica": ConfigRecord({"digest": model_digest(strategy.broadcaster.model)}),
+    })
+    reply = Message(content=content, reply_to=request)
+    return reply
+
+
+def test_late_replies_are_counted_and_the_round_goes_on(monkeypatch):
+    # Messages read the run id of the current process, which a ServerApp would set.
+    from flwr.supercore.task_identity import TaskIdentity
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+    rng = np.random.default_rng(0)
+    initial = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    strategy = CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10), initial)
+    messages = list(strategy.configure_train(1, None, ConfigRecord(), FakeGrid([11, 12, 13, 14])))
+    assert len(messages) == 4
+    # Two of four nodes answered before the timeout.
+    replies = [_reply(m, strategy, 1, m.metadata.dst_node_id) for m in messages[:2]]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    record = strategy.stats[1].record
+    assert record.timed_out == 2 and record.clients_ok == 2
+    assert strategy.broadcaster.round == 1  # the model moved on with the two
+    assert arrays is not None and set(arrays) == set(SHAPES)

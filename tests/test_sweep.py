@@ -1,0 +1,151 @@
+"""Sweeps and reports: grids, stable ids, resume, failures, bytes-to-target, plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from fedcomp.config import RunConfig
+from fedcomp.errors import SpecError
+from fedcomp.report import build_report, bytes_to_target, load_runs, write_report
+from fedcomp.results import RoundRecord, RunRecorder
+from fedcomp.sweep import Sweep, run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep(**grid) -> Sweep:
+    return Sweep(base={"num-server-rounds": 3},
+                 grid=grid or {"codec": ["none", "sign"], "seed": [0, 1]})
+
+
+def fake_runner(accuracy_by_codec: dict[str, list[float]], calls: list, fail_on=()):
+    """Writes results like a real run: rounds.csv and summary.json via RunRecorder."""
+
+    def runner(cfg: RunConfig, num_supernodes: int) -> dict:
+        calls.append((cfg.run_name, cfg.resume))
+        if (cfg.codec, cfg.seed) in fail_on:
+            raise RuntimeError(f"boom in {cfg.codec}")
+        recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
+                               model_bytes=1000, num_rounds=cfg.num_server_rounds,
+                               verbose=False)
+        up = 1000 if cfg.codec == "none" else 50
+        for rnd, acc in enumerate(accuracy_by_codec[cfg.codec], 1):
+            recorder.record(RoundRecord(rnd, accuracy=acc + 0.001 * cfg.seed, uplink_bytes=up,
+                                        downlink_bytes=1000, clients_ok=1))
+        return recorder.finish()
+
+    return runner
+
+
+ACC = {"none": [0.5, 0.8, 0.9], "sign": [0.3, 0.6, 0.85]}
+
+
+def test_grid_expands_to_the_cartesian_product_with_stable_ids():
+    sweep = _sweep()
+    assert [r.values for r in sweep.runs] == [
+        {"codec": "none", "seed": 0}, {"codec": "none", "seed": 1},
+        {"codec": "sign", "seed": 0}, {"codec": "sign", "seed": 1}]
+    assert [r.run_id for r in sweep.runs] == [r.run_id for r in _sweep().runs]
+    assert len({r.run_id for r in sweep.runs}) == 4
+    other = Sweep(base={"num-server-rounds": 4}, grid={"codec": ["none", "sign"],
+                                                         "seed": [0, 1]})
+    assert not {r.run_id for r in other.runs} & {r.run_id for r in sweep.runs}
+
+
+def test_methods_times_grid_and_bad_sweeps_are_refused():
+    sweep = Sweep(base={}, grid={"seed": [0, 1]},
+                  methods=[{"name": "a", "codec": "sign"},
+                           {"name": "b", "codec": "none", "feedback": "none"}])
+    assert [r.values for r in sweep.runs][:2] == [{"method": "a", "seed": 0},
+                                                  {"method": "a", "seed": 1}]
+    assert sweep.runs[2].config.feedback == "none"
+    with pytest.raises(SpecError, match="non-empty list"):
+        Sweep(base={}, grid={"seed": 3})
+    with pytest.raises(SpecError, match="unknown run config key"):
+        Sweep(base={"codecs": "sign"}, grid={})
+    with pytest.raises(SpecError, match="set by the sweep itself"):
+        Sweep(base={"run-name": "x"}, grid={})
+    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 22
+
+
+def test_an_interrupted_sweep_reruns_only_the_missing_runs(tmp_path):
+    sweep, calls = _sweep(), []
+    interrupted = []
+
+    def dies_on_third(cfg, n):
+        if len(interrupted) == 2:
+            raise KeyboardInterrupt  # the user pressed Ctrl-C: the sweep stops
+        interrupted.append(cfg.run_name)
+        return fake_runner(ACC, calls)(cfg, n)
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(sweep, tmp_path, dies_on_third, log=lambda _: None)
+    # A run that got as far as a checkpoint is resumed, not restarted.
+    (tmp_path / sweep.runs[2].run_id).mkdir()
+    (tmp_path / sweep.runs[2].run_id / "checkpoint.npz").write_bytes(b"")
+    calls.clear()
+    rows = run_sweep(sweep, tmp_path, fake_runner(ACC, calls), log=lambda _: None)
+    assert [name for name, _ in calls] == [r.run_id for r in sweep.runs[2:]]
+    assert [resume for _, resume in calls] == [True, False]
+    assert [r["status"] for r in rows] == ["complete"] * 4
+
+
+def test_a_failing_run_is_recorded_and_the_sweep_goes_on(tmp_path):
+    calls = []
+    rows = run_sweep(_sweep(), tmp_path, fake_runner(ACC, calls, fail_on={("sign", 0)}),
+                     log=lambda _: None)
+    assert [r["status"] for r in rows] == ["complete", "complete", "failed", "complete"]
+    assert "boom in sign" in rows[2]["error"]
+    with open(tmp_path / "runs.csv") as handle:
+        on_disk = list(csv.DictReader(handle))
+    assert list(on_disk[0])[:4] == ["run_id", "status", "codec", "seed"]
+    assert on_disk[2]["status"] == "failed" and "boom" in on_disk[2]["error"]
+    assert (tmp_path / rows[2]["run_id"] / "error.txt").exists()
+
+
+def test_bytes_to_target_on_a_hand_made_rounds_file():
+    rounds = [
+        {"round": 1, "accuracy": 0.50, "cum_uplink_bytes": 100, "cum_downlink_bytes": 1000},
+        {"round": 2, "accuracy": 0.84, "cum_uplink_bytes": 200, "cum_downlink_bytes": 2000},
+        {"round": 3, "accuracy": 0.86, "cum_uplink_bytes": 300, "cum_downlink_bytes": 3000},
+        {"round": 4, "accuracy": 0.90, "cum_uplink_bytes": 400, "cum_downlink_bytes": 4000},
+    ]
+    assert bytes_to_target(rounds, 0.85) == (3, 300, 3300)
+    assert bytes_to_target(rounds, 0.84) == (2, 200, 2200)  # reaching it exactly counts
+    assert bytes_to_target(rounds, 0.95) is None
+
+
+def test_report_computes_factors_against_the_uncompressed_runs_and_draws_plots(tmp_path):
+    run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)
+    target, methods = build_report(load_runs(tmp_path))
+    # Target: mean best accuracy of the codec=none runs (0.9, 0.901) minus one point.
+    assert target == pytest.approx(0.9005 - 0.01)
+    by_name = {m.method: m for m in methods}
+    assert by_name["codec=none"].uplink_to_target == [3000, 3000]   # round 3
+    assert by_name["codec=sign"].uplink_to_target == [None, None]   # best 0.85 < 0.89
+    table, paths = write_report(tmp_path, target=0.8)
+    assert "| codec=sign | 2 |" in table
+    sign_row = next(line for line in table.splitlines() if line.startswith("| codec=sign"))
+    assert sign_row.split("|")[7].strip() == "13.3"  # to 0.8: 2000 (round 2) vs 150 (round 3)
+    assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+    assert json.loads((tmp_path / "sweep.json").read_text())["columns"] == ["codec", "seed"]
+
+
+@pytest.mark.slow
+def test_smoke_sweep_through_the_command_line(tmp_path):
+    from fedcomp.cli import main
+
+    out = tmp_path / "smoke"
+    assert main(["sweep", str(ROOT / "experiments/sweeps/smoke.toml"), "--out", str(out)]) == 0
+    with open(out / "runs.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [r["status"] for r in rows] == ["complete", "complete"]
+    assert int(rows[0]["uplink_bytes"]) >= 50 * int(rows[1]["uplink_bytes"])
+    assert main(["report", str(out), "--target", "0.1"]) == 0
+    assert (out / "accuracy_vs_uplink.png").exists() and (out / "accuracy_vs_round.png").exists()
+    # A second sweep over the same folder has nothing left to do.
+    assert main(["sweep", str(ROOT / "experiments/sweeps/smoke.toml"), "--out", str(out)]) == 0
