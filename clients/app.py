@@ -14,7 +14,14 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedcomp.client_round import ClientState, model_shapes, run_client_round
+from fedcomp.client_round import (
+    ClientState,
+    load_state_file,
+    model_shapes,
+    run_client_round,
+    save_state_file,
+    state_file,
+)
 from fedcomp.config import RunConfig
 from fedcomp.data import load_partition
 from fedcomp.downlink import Replica, ReplicaOutOfSync
@@ -44,17 +51,24 @@ def train(msg: Message, context: Context) -> Message:
     fault = cfg.fault_plan.draw(server_round, partition_id)  # None unless fault-* > 0
     if fault == "dropout":
         raise InjectedFault(f"injected dropout (round {server_round}, partition {partition_id})")
-    state = ClientState.from_arrays(cfg, load_client_state(context.state),
-                                    model_shapes(cfg.dataset))
+    # State lives in context.state; with a node-config `state-dir` it is also kept on
+    # disk, so that a restarted SuperNode (whose context.state is empty) carries on.
+    state_dir = context.node_config.get("state-dir")
+    state_path = (state_file(str(state_dir), context.run_id, partition_id)
+                  if state_dir else None)
+    saved = load_client_state(context.state)
+    if not saved and state_path is not None:
+        saved = load_state_file(state_path, run_id=context.run_id, partition_id=partition_id)
+    state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.dataset))
     try:
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
                                   data, server_round=server_round, client_seed=partition_id,
                                   delta_scale=POISON_SCALE if fault == "poison" else 1.0)
     except ReplicaOutOfSync:
         state.replica = Replica()  # the server sends the full model after a failure
-        save_client_state(context.state, state.to_arrays())
+        _save(context, state, state_path, partition_id, server_round)
         raise
-    save_client_state(context.state, state.to_arrays())
+    _save(context, state, state_path, partition_id, server_round)
     payload = result.payload
     if fault == "straggler":
         time.sleep(cfg.round_timeout + 1.0)
@@ -66,3 +80,12 @@ def train(msg: Message, context: Context) -> Message:
         "replica": ConfigRecord({"digest": result.replica_digest}),
     })
     return Message(content=content, reply_to=msg)
+
+
+def _save(context: Context, state: ClientState, path, partition_id: int,
+          server_round: int) -> None:
+    groups = state.to_arrays()
+    save_client_state(context.state, groups)
+    if path is not None:
+        save_state_file(path, groups, run_id=context.run_id, partition_id=partition_id,
+                        server_round=server_round)

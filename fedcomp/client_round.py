@@ -16,11 +16,13 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fedcomp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedcomp.config import RunConfig
 from fedcomp.data import ArrayDataset
 from fedcomp.downlink import DownlinkMessage, Replica, model_digest
@@ -29,7 +31,8 @@ from fedcomp.models import build_model
 from fedcomp.policy import encode_update
 from fedcomp.training import state_arrays, train
 
-__all__ = ["ClientResult", "ClientState", "model_shapes", "run_client_round"]
+__all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
+           "run_client_round", "save_state_file", "state_file"]
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +79,48 @@ class ClientState:
             state.feedback.load_state_dict(saved.get("feedback") or {}, shapes=shapes)
         except (StateMismatchError, TypeError) as exc:
             log.warning("dropping saved error-feedback state: %s", exc)
-        except KeyError as exc:
-            log.warning("dropping incomplete error-feedback state: %s", exc)
+        except (KeyError, ValueError) as exc:
+            log.warning("dropping unusable error-feedback state: %s", exc)
         return state
+
+
+def state_file(state_dir: str | Path, run_id: int, partition_id: int) -> Path:
+    """Where a node keeps its state for one run and partition (never shared)."""
+    return Path(state_dir) / f"fedcomp-run{run_id}-partition{partition_id}.npz"
+
+
+def save_state_file(path: Path, groups: Mapping[str, Mapping[str, np.ndarray]], *,
+                    run_id: int, partition_id: int, server_round: int) -> None:
+    """Persist a client's state atomically (temporary file, then rename)."""
+    arrays = {f"{group}/{key}": value for group, values in groups.items()
+              for key, value in values.items()}
+    save_checkpoint(path, arrays, {"run_id": run_id, "partition_id": partition_id,
+                                   "round": server_round, "groups": sorted(groups)})
+
+
+def load_state_file(path: Path, *, run_id: int, partition_id: int
+                    ) -> dict[str, dict[str, np.ndarray]]:
+    """Read a state file; a missing, corrupt or foreign one gives ``{}`` (and a log line)."""
+    if not path.exists():
+        return {}
+    try:
+        arrays, meta = load_checkpoint(path)
+    except CheckpointError as exc:
+        log.warning("ignoring unreadable client state %s (%s); starting clean", path, exc)
+        return {}
+    if meta.get("run_id") != run_id or meta.get("partition_id") != partition_id:
+        log.warning("ignoring client state %s: it is for run %s partition %s; starting clean",
+                    path, meta.get("run_id"), meta.get("partition_id"))
+        return {}
+    groups: dict[str, dict[str, np.ndarray]] = {g: {} for g in meta.get("groups", [])}
+    for key, value in arrays.items():
+        group, _, name = key.partition("/")
+        if group not in groups:
+            log.warning("ignoring client state %s: unexpected entry %r", path, key)
+            return {}
+        groups[group][name] = value
+    log.info("restored client state from %s (saved after round %s)", path, meta.get("round"))
+    return groups
 
 
 @dataclass

@@ -12,7 +12,7 @@ straggler     sleeps past the round timeout, then replies      no reply in time
 corrupt       flips bits, truncates or extends its payload     checksum / size
 lie           re-frames its payload (valid checksum) with a    shape / size /
               lying header: huge shape, count past the          model / zstd
-              tensor, index out of range, zstd bomb
+              tensor, indices out of range, zstd bomb
 nonfinite     re-frames its payload with NaN or Inf values     non-finite
 poison        sends a valid update scaled by 1e6               (norm bound)
 stale         re-frames its payload for the previous round     stale
@@ -124,8 +124,11 @@ def tamper(kind: str, payload: bytes, rng: np.random.Generator) -> bytes:
     if kind == "lie":
         entry = header["tensors"][int(rng.integers(len(header["tensors"])))]
         bomb_target = _first_node(entry[3], "zstd")
-        choice = int(rng.integers(4))
-        if choice == 0:
+        choice = int(rng.integers(5))
+        if choice == 4 and "count" in entry[3]["m"]:
+            # The node claims a much smaller tensor: its indices now point past the end.
+            entry[3]["m"]["shape"] = [1]
+        elif choice == 0:
             entry[1] = [2**40, 2**40]                     # a shape that overflows
         elif choice == 1 and "count" in entry[3]["m"]:
             entry[3]["m"]["count"] = 2**31                # more entries than the tensor

@@ -40,7 +40,7 @@ def test_draws_are_deterministic_and_follow_the_probabilities():
     ("kind", "reasons"),
     [
         ("corrupt", {"checksum", "truncated", "size"}),
-        ("lie", {"shape", "size", "model", "zstd", "header"}),
+        ("lie", {"shape", "size", "model", "zstd", "header", "indices"}),
         ("nonfinite", {"non-finite"}),
     ],
 )
