@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from fedcomp.errors import PayloadError
+from fedcomp.privacy import clip_update
 from fedcomp.wire import ExpectedTensor, unpack_payload
 
 __all__ = ["AggregationResult", "ClientReply", "Rejection", "aggregate_deltas"]
@@ -69,6 +70,8 @@ class AggregationResult:
     received_bytes: int = 0
     norms: dict[int, float] = field(default_factory=dict)
     clipped: list[int] = field(default_factory=list)
+    #: Sum of the accepted updates (weighted; with ``clip_norm``: re-clipped, unweighted).
+    total: dict[str, np.ndarray] | None = None
 
     @property
     def rejected_by_reason(self) -> dict[str, int]:
@@ -82,6 +85,7 @@ def aggregate_deltas(
     expected_meta: Mapping[str, Any] | None = None,
     norm_bound: float = 0.0,
     norm_action: str = "reject",
+    clip_norm: float = 0.0,
 ) -> AggregationResult:
     """Example-weighted mean of the valid replies' decoded deltas.
 
@@ -97,6 +101,10 @@ def aggregate_deltas(
     norm_bound
         0 (off), or the multiple of the median update norm above which an update is
         rejected or clipped (``norm_action``: ``"reject"`` or ``"clip"``).
+    clip_norm
+        0 (off), or differential privacy's clipping norm: every decoded update is
+        re-clipped to it and all count equally, so each contributes at most
+        ``clip_norm`` to ``result.total`` whatever its codec did.
     """
     if norm_action not in ("reject", "clip"):
         raise ValueError(f"norm_action must be 'reject' or 'clip', got {norm_action!r}")
@@ -111,6 +119,9 @@ def aggregate_deltas(
     total: dict[str, np.ndarray] | None = None
     weight_sum = 0.0
     for node, weight, tensors in valid:
+        if clip_norm > 0:
+            tensors, _ = clip_update(tensors, clip_norm)
+            weight = 1.0
         if total is None:
             total = {name: np.zeros(spec.shape, dtype=np.float64)
                      for name, spec in expected.items()}
@@ -119,6 +130,7 @@ def aggregate_deltas(
         weight_sum += weight
         result.accepted.append(node)
     if total is not None:
+        result.total = {k: v.astype(np.float32) for k, v in total.items()}
         result.mean_delta = {k: (v / weight_sum).astype(np.float32) for k, v in total.items()}
     result.decode_s = time.perf_counter() - start
     return result

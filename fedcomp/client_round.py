@@ -29,6 +29,7 @@ from fedcomp.downlink import DownlinkMessage, Replica, model_digest
 from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
 from fedcomp.models import build_model
 from fedcomp.policy import encode_update
+from fedcomp.privacy import clip_update, update_norm
 from fedcomp.training import state_arrays, train
 
 __all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
@@ -176,6 +177,9 @@ def run_client_round(
     after = state_arrays(model)
     delta = {k: after[k] - v for k, v in state.replica.model.items()}
     feedback = state.feedback
+    delta_norm = update_norm(delta)
+    if cfg.dp == "client":  # DP-FedAvg: clip before compressing (the server re-clips)
+        delta, _ = clip_update(delta, cfg.dp_clip_norm)
     if delta_scale != 1.0:
         delta = {k: v * np.float32(delta_scale) for k, v in delta.items()}
         feedback = NoFeedback()
@@ -198,5 +202,6 @@ def run_client_round(
         "downlink-decode-s": sync_s,
         "replica-round": float(state.replica.round or 0),
         "residual-norm-in": residual_in,
+        "delta-norm": delta_norm,
     }
     return ClientResult(update.payload, metrics, replica_digest)

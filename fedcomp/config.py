@@ -30,6 +30,7 @@ _CHOICES = {
     "feedback": ("ef", "ef21", "none"),
     "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
     "norm_action": ("reject", "clip"),
+    "dp": ("none", "client"),
 }
 
 
@@ -80,6 +81,11 @@ class RunConfig:
     fault_poison: float = 0.0
     fault_stale: float = 0.0
     fault_seed: int = 0
+    dp: str = "none"
+    dp_noise_multiplier: float = 1.0
+    dp_clip_norm: float = 1.0
+    dp_delta: float = 1e-5
+    dp_target_epsilon: float = 0.0
     checkpoint: bool = True
     resume: bool = False
     seed: int = 0
@@ -125,6 +131,10 @@ class RunConfig:
         if self.norm_bound != 0 and self.norm_bound < 1:
             raise SpecError(f"run config 'norm-bound' must be 0 (off) or >= 1 (a multiple "
                             f"of the round's median update norm), got {self.norm_bound!r}")
+        if self.dp != "none" and (self.dp_noise_multiplier <= 0 or self.dp_clip_norm <= 0
+                                  or not 0 < self.dp_delta < 1 or self.dp_target_epsilon < 0):
+            raise SpecError("run config dp-noise-multiplier and dp-clip-norm must be > 0, "
+                            "dp-delta in (0, 1) and dp-target-epsilon >= 0")
         if self.round_timeout <= 0:
             raise SpecError(f"run config 'round-timeout' must be > 0, got {self.round_timeout!r}")
         try:

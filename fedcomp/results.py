@@ -21,7 +21,7 @@ __all__ = ["ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"
 ROUND_COLUMNS = [
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
-    "encode_s", "decode_s", "train_s",
+    "encode_s", "decode_s", "train_s", "epsilon",
 ]
 
 
@@ -43,6 +43,7 @@ class RoundRecord:
     encode_s: float = 0.0
     decode_s: float = 0.0
     train_s: float = 0.0
+    epsilon: float = 0.0
 
 
 class RunRecorder:

@@ -92,6 +92,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "replica_checks": sum(s.replica_checks for s in strategy.stats.values()),
         "replica_mismatches": sum(s.replica_mismatches for s in strategy.stats.values()),
         "resumed_after_round": done,
+        "epsilon": strategy.dp.epsilon() if strategy.dp else None,
+        "dp_delta": cfg.dp_delta if strategy.dp else None,
+        "stopped_early": strategy.stopped,
     }
     return recorder.finish(), strategy
 

@@ -41,6 +41,7 @@ from fedcomp.aggregation import ClientReply, aggregate_deltas
 from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, model_digest
 from fedcomp.flower import downlink_to_record, payload_from_record
+from fedcomp.privacy import ClientLevelDP
 from fedcomp.results import RoundRecord
 from fedcomp.server_opt import ServerOptimizer
 
@@ -89,6 +90,12 @@ class CompressedFedAvg(FedAvg):
         #: Rounds completed before this process started (resumed runs): Flower counts
         #: from 1 again, we do not.
         self.round_offset = 0
+        self.dp = (ClientLevelDP(cfg.dp_noise_multiplier, cfg.dp_clip_norm, cfg.dp_delta,
+                                 cfg.dp_target_epsilon) if cfg.dp == "client" else None)
+        self.dp_rng = np.random.default_rng([cfg.seed, 0xD9])
+        #: Why training stopped before the last round (a privacy budget), if it did.
+        self.stopped: str | None = None
+        self._sample_rate = 1.0
 
     def summary(self) -> None:
         log.info("CompressedFedAvg: uplink %s, downlink %s, small tensors %s (< %d), "
@@ -114,7 +121,16 @@ class CompressedFedAvg(FedAvg):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         server_round += self.round_offset
+        if self.stopped:
+            return []
         nodes = self._sample(grid)
+        self._sample_rate = len(nodes) / max(len(list(grid.get_node_ids())), 1)
+        if self.dp is not None and self.dp.would_exceed(self._sample_rate):
+            self.stopped = (f"stopped before round {server_round}: it would take epsilon to "
+                            f"{self.dp.epsilon_after(self._sample_rate):.3f}, above "
+                            f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
+            log.warning("privacy budget: %s", self.stopped)
+            return []
         settings = ConfigRecord({**self.cfg.to_mapping(), "server-round": server_round})
         messages = []
         self._sent = {}
@@ -131,6 +147,8 @@ class CompressedFedAvg(FedAvg):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         server_round += self.round_offset
+        if self.stopped:
+            return self.current_arrays(), None
         replies = list(replies)
         stats = RoundStats(RoundRecord(round=server_round,
                                        downlink_bytes=sum(self._sent.values())))
@@ -176,7 +194,16 @@ class CompressedFedAvg(FedAvg):
         result = aggregate_deltas(client_replies, self.expected,
                                   expected_meta={"round": server_round},
                                   norm_bound=self.cfg.norm_bound,
-                                  norm_action=self.cfg.norm_action)
+                                  norm_action=self.cfg.norm_action,
+                                  clip_norm=self.cfg.dp_clip_norm if self.dp else 0.0)
+        if self.dp is not None:
+            # Noise on the clipped sum, divided by the number sampled (fixed, whoever
+            # answered); the round is accounted even if nothing came back.
+            if result.total is not None:
+                result.mean_delta = self.dp.noisy_mean(result.total, len(self._sent),
+                                                       self.dp_rng)
+            self.dp.record_round(self._sample_rate)
+            stats.record.epsilon = self.dp.epsilon()
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
         stats.record.clients_ok = len(result.accepted)
@@ -208,7 +235,10 @@ class CompressedFedAvg(FedAvg):
         meta = {"downlink_round": b.round,
                 "node_rounds": {str(k): v for k, v in self.node_rounds.items()},
                 "rng": self.rng.bit_generator.state,
-                "downlink_rng": b.rng.bit_generator.state}
+                "downlink_rng": b.rng.bit_generator.state,
+                "dp_rng": self.dp_rng.bit_generator.state,
+                "dp_history": self.dp.state() if self.dp else [],
+                "stopped": self.stopped}
         return arrays, meta
 
     def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
@@ -225,6 +255,10 @@ class CompressedFedAvg(FedAvg):
         self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
         self.rng.bit_generator.state = meta["rng"]
         b.rng.bit_generator.state = meta["downlink_rng"]
+        self.dp_rng.bit_generator.state = meta["dp_rng"]
+        if self.dp is not None:
+            self.dp.restore(meta["dp_history"])
+        self.stopped = meta.get("stopped")
 
     def current_arrays(self) -> ArrayRecord:
         """The shared model as an ArrayRecord."""

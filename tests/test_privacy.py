@@ -1,0 +1,110 @@
+"""Client-level DP: the clip bound holds for every codec, the noise and epsilon are right."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+from fedcomp.aggregation import ClientReply, aggregate_deltas
+from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.privacy import ClientLevelDP, clip_update, update_norm
+from fedcomp.registry import available_codecs
+from tests.strategies import CODEC_PARAMS, codec_configs
+
+SHAPES = {"w": (12, 25), "b": (12,)}
+TRANSFORMS = sorted(set(available_codecs()) - {"zstd"})
+assert set(TRANSFORMS) <= set(CODEC_PARAMS)
+
+
+@given(config=codec_configs(TRANSFORMS), scale=st.floats(1e-3, 1e3),
+       clip=st.floats(0.01, 10.0), seed=st.integers(0, 10**6))
+def test_no_contribution_to_the_noisy_sum_exceeds_the_clip_norm(config, scale, clip, seed):
+    rng = np.random.default_rng(seed)
+    from fedcomp.spec import format_spec
+    policy = CompressionPolicy(format_spec([config]), min_numel=0)
+    delta = {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+    clipped, _ = clip_update(delta, clip)        # the client clips ...
+    payload = encode_update(clipped, policy, rng=rng).payload   # ... the codec may not
+    result = aggregate_deltas([ClientReply(1, payload, 5.0)], policy.expected(SHAPES),
+                              clip_norm=clip)     # ... the server re-clips what it decoded
+    assert update_norm(result.total) <= clip * (1 + 1e-6)
+
+
+def test_the_noise_has_the_configured_standard_deviation():
+    dp = ClientLevelDP(noise_multiplier=1.3, clip_norm=0.7)
+    zero = {"w": np.zeros((1000, 200), np.float32)}
+    noise = dp.noisy_mean(zero, expected_participants=1, rng=np.random.default_rng(0))["w"]
+    # 200,000 samples: the sample std's relative standard error is 1/sqrt(2N) = 0.16%;
+    # a 1% tolerance is over 6 standard errors (false failure rate < 1e-9).
+    assert abs(noise.std() / (1.3 * 0.7) - 1) < 0.01
+    assert abs(noise.mean()) < 5 * 1.3 * 0.7 / np.sqrt(noise.size)
+    # A fixed denominator: dividing by the expected participants scales the noise too.
+    halved = dp.noisy_mean(zero, expected_participants=2, rng=np.random.default_rng(0))["w"]
+    np.testing.assert_allclose(halved, noise / 2, rtol=1e-6)
+
+
+def test_without_dp_the_mean_is_exact_and_noise_free():
+    rng = np.random.default_rng(0)
+    policy = CompressionPolicy("none")
+    deltas = [{k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+              for _ in range(3)]
+    replies = [ClientReply(i, encode_update(d, policy, rng=rng).payload, 1.0)
+               for i, d in enumerate(deltas)]
+    mean = aggregate_deltas(replies, policy.expected(SHAPES)).mean_delta
+    np.testing.assert_allclose(mean["w"], np.mean([d["w"] for d in deltas], axis=0),
+                               rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("sigma", "q", "rounds"), [(1.0, 0.1, 20), (0.8, 0.3, 5),
+                                                     (2.0, 1.0, 50)])
+def test_epsilon_matches_an_independent_rdp_computation_and_grows(sigma, q, rounds):
+    dp = ClientLevelDP(noise_multiplier=sigma, clip_norm=1.0, delta=1e-5)
+    epsilons = []
+    for _ in range(rounds):
+        dp.record_round(q)
+        epsilons.append(dp.epsilon())
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=rounds, orders=orders)
+    independent, _ = get_privacy_spent(orders=orders, rdp=rdp, delta=1e-5)
+    assert epsilons[-1] == pytest.approx(independent, rel=0.01)
+    assert all(b > a for a, b in itertools.pairwise(epsilons))
+
+
+def test_a_target_epsilon_stops_before_it_would_be_exceeded():
+    dp = ClientLevelDP(noise_multiplier=1.0, clip_norm=1.0, target_epsilon=3.0)
+    rounds = 0
+    while not dp.would_exceed(0.2):
+        dp.record_round(0.2)
+        rounds += 1
+    assert rounds > 0 and dp.epsilon() <= 3.0 < dp.epsilon_after(0.2)
+    restored = ClientLevelDP(noise_multiplier=1.0, clip_norm=1.0)
+    restored.restore(dp.state())
+    assert restored.epsilon() == dp.epsilon()
+
+
+@pytest.mark.slow
+def test_a_client_level_dp_simulation_with_compression_records_epsilon(tmp_path):
+    import csv
+
+    from fedcomp.config import RunConfig
+    from server.simulation import simulate
+
+    cfg = RunConfig(num_server_rounds=3, local_steps=2, local_epochs=0, dp="client",
+                    dp_noise_multiplier=1.0, dp_clip_norm=0.5, dp_target_epsilon=50.0,
+                    codec="topk:ratio=0.05|quant:bits=4", results_dir=str(tmp_path),
+                    run_name="dp")
+    summary, _ = simulate(cfg, num_supernodes=3)
+    with open(tmp_path / "dp" / "rounds.csv") as handle:
+        epsilons = [float(r["epsilon"]) for r in csv.DictReader(handle)]
+    assert summary["rounds_completed"] == len(epsilons) >= 1
+    assert all(b > a for a, b in itertools.pairwise(epsilons))
+    assert summary["epsilon"] == pytest.approx(epsilons[-1]) and summary["epsilon"] <= 50.0
+    # With q = 1 and sigma = 1 the third round would cost more than 50: it stops early.
+    cfg_tight = cfg.replace(run_name="tight", dp_target_epsilon=epsilons[0] + 0.01)
+    tight, _ = simulate(cfg_tight, num_supernodes=3)
+    assert tight["rounds_completed"] == 1 and "stopped before round 2" in tight["stopped_early"]
