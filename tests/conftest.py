@@ -5,15 +5,11 @@ from __future__ import annotations
 import os
 
 # Flower phones home and installs dependencies at run time unless told not to
-# (../shared/FLOWER_NOTES.md). Set before anything imports flwr.
-for _key, _value in {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_USAGE_STATS_ENABLED": "0",
-    "HF_HUB_OFFLINE": "1",
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-}.items():
+# (../shared/FLOWER_NOTES.md). Set before anything imports flwr; fedcomp.cli keeps the
+# one list of these variables and imports no Flower itself.
+from fedcomp.cli import FLOWER_ENV
+
+for _key, _value in FLOWER_ENV.items():
     os.environ.setdefault(_key, _value)
 
 import numpy as np  # noqa: E402
