@@ -148,6 +148,3 @@ class Replica:
             for name, value in decoded.tensors.items():
                 self.model[name] += value
         self.round = message.to_round
-
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {k: v.shape for k, v in (self.model or {}).items()}

@@ -62,7 +62,8 @@ class FeedbackMemory(Protocol):
 
     def state_dict(self) -> dict[str, np.ndarray]: ...
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None: ...
+    def load_state_dict(self, state: Mapping[str, np.ndarray],
+                        shapes: Mapping[str, tuple[int, ...]] | None = None) -> None: ...
 
 
 class NoFeedback:
@@ -80,7 +81,8 @@ class NoFeedback:
     def state_dict(self) -> dict[str, np.ndarray]:
         return {}
 
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+    def load_state_dict(self, state: Mapping[str, np.ndarray],
+                        shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         if state:
             raise StateMismatchError("NoFeedback has no state to load")
 

@@ -65,3 +65,15 @@ def test_a_poisoned_message_leaves_the_clients_error_feedback_untouched():
     decoded = unpack_payload(poisoned.payload,
                              expected=CFG.uplink_policy.expected(server.shapes))
     assert max(float(np.abs(v).max()) for v in decoded.tensors.values()) > 1e3
+
+
+def test_restoring_state_without_error_feedback_is_silent(caplog):
+    import logging
+
+    cfg = CFG.replace(feedback="none")
+    server, data = _setup()
+    state = ClientState.fresh(cfg)
+    run_client_round(cfg, state, server.message_for(None), data, server_round=1, client_seed=0)
+    with caplog.at_level(logging.WARNING):
+        restored = ClientState.from_arrays(cfg, state.to_arrays(), model_shapes("digits"))
+    assert caplog.text == "" and restored.replica.round == 0
