@@ -92,9 +92,9 @@ class Zstd(Codec):
             raise PayloadError(f"{self.codec_id}: corrupt frame ({exc})",
                                reason="zstd") from None
         if len(raw) != size:
+            found = f"more than {size}" if len(raw) > size else str(len(raw))
             raise PayloadError(
-                f"{self.codec_id}: frame decompresses to {'more than' if len(raw) > size else ''}"
-                f"{len(raw) if len(raw) <= size else ''} bytes; header says {size}",
+                f"{self.codec_id}: frame decompresses to {found} bytes; header says {size}",
                 reason="zstd",
             )
         return np.frombuffer(raw, dtype=dtype).reshape(shape)

@@ -63,7 +63,7 @@ def _chunks(flat: np.ndarray, chunk: int) -> np.ndarray:
     return flat.reshape(-1, chunk)
 
 
-def _chunk_len(codec: Codec, chunk: int, n: int) -> int:
+def _chunk_len(chunk: int, n: int) -> int:
     """Chunk length; 0 means one chunk for the whole array."""
     return chunk if chunk > 0 else max(n, 1)
 
@@ -233,7 +233,7 @@ class QSGD(Codec):
 def _per_chunk_abs_stat(flat: np.ndarray, chunk: int, stat: str) -> tuple[np.ndarray, int]:
     """Per-chunk mean or max of ``|x|`` (padding excluded); returns (stats, chunk)."""
     n = flat.size
-    chunk = chunk if chunk > 0 else max(n, 1)
+    chunk = _chunk_len(chunk, n)
     if n == 0:
         return np.zeros(0, dtype=np.float32), chunk
     blocks = np.abs(_chunks(flat, chunk))
@@ -282,7 +282,7 @@ class ScaledSign(Codec):
     def decode(self, enc: Encoded, *, max_numel: int) -> np.ndarray:
         shape = meta_shape(enc, max_numel)
         n = math.prod(shape)
-        chunk = _chunk_len(self, self.chunk, n)
+        chunk = _chunk_len(self.chunk, n)
         require_parts(enc, ("signs", "scale"))
         scale = take_part(enc, "scale", np.float32, -(-n // chunk) if n else 0)
         _check_scales(self.codec_id, "scale", scale, 1.0)
@@ -368,7 +368,7 @@ class Ternary(Codec):
     def decode(self, enc: Encoded, *, max_numel: int) -> np.ndarray:
         shape = meta_shape(enc, max_numel)
         n = math.prod(shape)
-        chunk = _chunk_len(self, self.chunk, n)
+        chunk = _chunk_len(self.chunk, n)
         dense = meta_bool(enc, "dense")
         require_parts(enc, ("symbols", "scale"))
         scale = take_part(enc, "scale", np.float32, -(-n // chunk) if n else 0)
