@@ -162,7 +162,9 @@ def run_client_round(
     torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
     shapes = model_shapes(cfg.dataset)
     sync_start = time.perf_counter()
-    state.replica.apply(message, shapes, cfg.downlink_policy)
+    initial = (state_arrays(build_model(cfg.dataset, seed=cfg.seed))
+               if state.replica.model is None and cfg.shared_init else None)
+    state.replica.apply(message, shapes, cfg.downlink_policy, initial)
     sync_s = time.perf_counter() - sync_start
     assert state.replica.model is not None
     replica_digest = model_digest(state.replica.model)

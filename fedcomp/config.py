@@ -63,7 +63,8 @@ class RunConfig:
     min_numel: int = 1024
     feedback: str = "ef"
     downlink_codec: str = "none"
-    downlink_history: int = 20
+    downlink_history: int = 1000
+    shared_init: bool = True
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
     server_momentum: float = 0.9
@@ -71,6 +72,7 @@ class RunConfig:
     server_beta2: float = 0.99
     server_tau: float = 1e-3
     round_timeout: float = 600.0
+    eval_every: int = 1
     norm_bound: float = 0.0
     norm_action: str = "reject"
     fault_dropout: float = 0.0
@@ -110,7 +112,7 @@ class RunConfig:
                 raise SpecError(f"run config {config_key(name)!r} must be one of "
                                 f"{', '.join(choices)}; got {getattr(self, name)!r}")
         positive = ("num_server_rounds", "batch_size", "classes_per_client", "min_clients",
-                    "downlink_history")
+                    "downlink_history", "eval_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise SpecError(f"run config {config_key(name)!r} must be >= 1, "

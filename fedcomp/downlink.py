@@ -9,9 +9,15 @@ bit (a test checks it after every round).
 
 A client that missed rounds (partial participation) catches up with whatever is
 smaller: the updates it missed, replayed in order, or the full model. The server
-keeps the last ``history`` updates for that. A replica that is too old or lost (a
-restarted node) gets the full model. With ``downlink-codec = none`` an update is as
-large as the model, so every message is the full model: plain FedAvg.
+keeps the updates for that, as many as together cost less than the full model (and
+at most ``history``): an older replica gets the full model anyway. A replica that is
+lost (a restarted node) gets the full model. With ``downlink-codec = none`` an update
+is as large as the model, so every message is the full model: plain FedAvg.
+
+A client that has never held a replica can start from the round-0 model it builds
+itself from the run's seed (``shared-init``), so that a first contact costs the
+missed updates rather than the full model. The message carries the round-0 model's
+digest; a client whose own initial model differs refuses it and gets the full model.
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ class DownlinkMessage:
     from_round: int
     to_round: int
     payloads: tuple[bytes, ...]
+    #: For updates from round 0: the digest of the round-0 model they start from.
+    base_digest: str = ""
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +73,7 @@ class Broadcaster:
 
     model: dict[str, np.ndarray]
     policy: CompressionPolicy
-    history: int = 20
+    history: int = 1000
     seed: int = 0
     round: int = 0
     updates: dict[int, bytes] = field(default_factory=dict)
@@ -75,6 +83,8 @@ class Broadcaster:
         self.feedback = ErrorFeedback(self.policy.description)
         self.rng = np.random.default_rng([self.seed, 0xD0])
         self._full: tuple[int, bytes] | None = None
+        #: Digest of the round-0 model, for clients that build it from the seed.
+        self.initial_digest = model_digest(self.model)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -97,19 +107,27 @@ class Broadcaster:
             self.model[name] += value
         self.updates[self.round] = update.payload
         self.updates.pop(self.round - self.history, None)
+        # Updates older than the full model's worth of bytes are never sent again.
+        budget = len(self.full_payload())
+        kept = sum(len(p) for p in self.updates.values())
+        for old in sorted(self.updates):
+            if kept <= budget:
+                break
+            kept -= len(self.updates.pop(old))
         self.round += 1
         return len(update.payload)
 
     def message_for(self, replica_round: int | None) -> DownlinkMessage:
         """The smallest message that brings a replica at ``replica_round`` up to date."""
+        base = self.initial_digest if replica_round == 0 else ""
         if replica_round == self.round:
-            return DownlinkMessage("delta", self.round, self.round, ())
+            return DownlinkMessage("delta", self.round, self.round, (), base)
         if replica_round is not None and 0 <= replica_round < self.round and all(
             r in self.updates for r in range(replica_round, self.round)
         ):
             missed = tuple(self.updates[r] for r in range(replica_round, self.round))
             if sum(len(p) for p in missed) < len(self.full_payload()):
-                return DownlinkMessage("delta", replica_round, self.round, missed)
+                return DownlinkMessage("delta", replica_round, self.round, missed, base)
         return DownlinkMessage("full", self.round, self.round, (self.full_payload(),))
 
 
@@ -121,8 +139,14 @@ class Replica:
     round: int | None = None
 
     def apply(self, message: DownlinkMessage, shapes: Mapping[str, tuple[int, ...]],
-              policy: CompressionPolicy) -> None:
-        """Bring the replica to ``message.to_round``; every payload is decoded strictly."""
+              policy: CompressionPolicy,
+              initial: Mapping[str, np.ndarray] | None = None) -> None:
+        """Bring the replica to ``message.to_round``; every payload is decoded strictly.
+
+        ``initial`` is the round-0 model this client builds from the run's seed; an
+        empty replica starts from it when the message starts at round 0 and its
+        ``base_digest`` matches.
+        """
         if message.kind == "full":
             if len(message.payloads) != 1:
                 raise ReplicaOutOfSync("a full-model message must carry exactly one payload")
@@ -132,6 +156,12 @@ class Replica:
             return
         if message.kind != "delta":
             raise ReplicaOutOfSync(f"unknown downlink message kind {message.kind!r}")
+        if self.model is None and message.from_round == 0 and initial is not None:
+            if not message.base_digest or model_digest(initial) != message.base_digest:
+                raise ReplicaOutOfSync("this client's initial model differs from the "
+                                       "server's round-0 model: a full model is needed")
+            self.model = {k: np.array(v, dtype=np.float32) for k, v in initial.items()}
+            self.round = 0
         if len(message.payloads) != message.to_round - message.from_round:
             raise ReplicaOutOfSync("downlink message carries the wrong number of updates")
         if (self.model is None or self.round is None

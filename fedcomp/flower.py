@@ -61,18 +61,20 @@ def payload_from_record(record: ConfigRecord) -> bytes:
 def downlink_to_record(message: DownlinkMessage) -> ConfigRecord:
     """A downlink message as a ConfigRecord (payloads as a list of bytes)."""
     return ConfigRecord({"kind": message.kind, "from-round": message.from_round,
-                         "to-round": message.to_round, "payloads": list(message.payloads)})
+                         "to-round": message.to_round, "payloads": list(message.payloads),
+                         "base-digest": message.base_digest})
 
 
 def downlink_from_record(record: ConfigRecord) -> DownlinkMessage:
     """Inverse of :func:`downlink_to_record`; a malformed record raises ``ValueError``."""
     payloads = record.get("payloads", [])
     kind, start, stop = record.get("kind"), record.get("from-round"), record.get("to-round")
+    base_digest = record.get("base-digest", "")
     if (not isinstance(kind, str) or not isinstance(start, int) or not isinstance(stop, int)
-            or not isinstance(payloads, list)
+            or not isinstance(base_digest, str) or not isinstance(payloads, list)
             or not all(isinstance(p, bytes) for p in payloads)):
         raise ValueError("malformed downlink record")
-    return DownlinkMessage(kind, start, stop, tuple(payloads))
+    return DownlinkMessage(kind, start, stop, tuple(payloads), base_digest)
 
 
 def save_client_state(state: RecordDict, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> None:

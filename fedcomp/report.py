@@ -161,10 +161,15 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
             length = min(len(r.rounds) for r in m.runs)
             if length == 0:
                 continue
-            xs = [statistics.mean(r.rounds[i][x_key] for r in m.runs) for i in range(length)]
+            # Rounds without an evaluation (eval-every > 1) have no accuracy: skip them.
+            evaluated = [i for i in range(length)
+                         if all(math.isfinite(r.rounds[i]["accuracy"]) for r in m.runs)]
+            xs = [statistics.mean(r.rounds[i][x_key] for r in m.runs) for i in evaluated]
             if x_key != "round":
                 xs = [x / 1e6 for x in xs]
-            accs = [[r.rounds[i]["accuracy"] for r in m.runs] for i in range(length)]
+            accs = [[r.rounds[i]["accuracy"] for r in m.runs] for i in evaluated]
+            if not evaluated:
+                continue
             line, = ax.plot(xs, [statistics.mean(a) for a in accs], label=m.method, lw=1.5)
             if len(m.runs) > 1:
                 ax.fill_between(xs, [min(a) for a in accs], [max(a) for a in accs],

@@ -98,8 +98,10 @@ class Sweep:
             raise SpecError(f"num-supernodes must be >= 1, got {self.num_supernodes}")
         runs = []
         keys = list(self.grid)
-        for method, combo in itertools.product(self.methods or [{}],
-                                               itertools.product(*(self.grid[k] for k in keys))):
+        # Grid outer, methods inner: an interrupted sweep has already compared every
+        # method on the first seed.
+        for combo, method in itertools.product(itertools.product(*(self.grid[k] for k in keys)),
+                                               self.methods or [{}]):
             overrides = {k: v for k, v in method.items() if k != "name"}
             values = ({"method": method["name"]} if method else {}) | dict(
                 zip(keys, combo, strict=True))

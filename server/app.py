@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,10 +65,17 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
 
     def evaluate_fn(flower_round: int, _arrays: Any) -> MetricRecord:
         # Evaluate the shared model: exactly what clients hold.
-        model.load_state_dict({k: torch.from_numpy(v.copy())
-                               for k, v in strategy.broadcaster.model.items()})
-        accuracy, loss = evaluate(model, test.x, test.y)
         server_round = flower_round + done
+        accuracy, loss = math.nan, math.nan
+        if (server_round % cfg.eval_every == 0 or server_round >= cfg.num_server_rounds
+                or (flower_round == 0 and not done)):
+            model.load_state_dict({k: torch.from_numpy(v.copy())
+                                   for k, v in strategy.broadcaster.model.items()})
+            # The clients are idle while the server evaluates: use every core.
+            torch.set_num_threads(os.cpu_count() or 1)
+            with torch.inference_mode():
+                accuracy, loss = evaluate(model, test.x, test.y)
+            torch.set_num_threads(1)
         if flower_round == 0:
             if not done:
                 recorder.initial_accuracy = accuracy
@@ -82,7 +90,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
                     "strategy": meta, "recorder": recorder.state()})
             if on_round_end is not None:
                 on_round_end(server_round)
-        return MetricRecord({"accuracy": accuracy, "loss": loss if math.isfinite(loss) else -1})
+        return MetricRecord({"accuracy": accuracy if math.isfinite(accuracy) else -1.0,
+                             "loss": loss if math.isfinite(loss) else -1.0})
 
     if cfg.num_server_rounds > done:
         strategy.start(grid=grid, initial_arrays=strategy.current_arrays(),

@@ -135,7 +135,10 @@ class CompressedFedAvg(FedAvg):
         messages = []
         self._sent = {}
         for node in nodes:
-            downlink = self.broadcaster.message_for(self.node_rounds.get(node))
+            # A node never seen builds the round-0 model from the seed (shared-init);
+            # -1 marks a node whose replica is unknown: it gets the full model.
+            downlink = self.broadcaster.message_for(
+                self.node_rounds.get(node, 0 if self.cfg.shared_init else -1))
             self._sent[node] = downlink.nbytes
             content = RecordDict({"config": settings, "downlink": downlink_to_record(downlink)})
             messages.append(Message(content=content, message_type=MessageType.TRAIN,
@@ -164,7 +167,7 @@ class CompressedFedAvg(FedAvg):
             if msg.has_error():
                 stats.record.clients_failed += 1
                 # We cannot know how far the node got: send it the full model next time.
-                self.node_rounds.pop(node, None)
+                self.node_rounds[node] = -1
                 log.warning("node %s failed in round %d: %s", node, server_round,
                             msg.error.reason)
                 continue
@@ -232,7 +235,7 @@ class CompressedFedAvg(FedAvg):
         arrays.update({f"dl-feedback/{k}": v for k, v in b.feedback.state_dict().items()})
         arrays.update({f"dl-update/{r}": np.frombuffer(p, dtype=np.uint8)
                        for r, p in b.updates.items()})
-        meta = {"downlink_round": b.round,
+        meta = {"downlink_round": b.round, "initial_digest": b.initial_digest,
                 "node_rounds": {str(k): v for k, v in self.node_rounds.items()},
                 "rng": self.rng.bit_generator.state,
                 "downlink_rng": b.rng.bit_generator.state,
@@ -252,6 +255,7 @@ class CompressedFedAvg(FedAvg):
         b.updates = {int(k[len("dl-update/"):]): v.tobytes() for k, v in arrays.items()
                      if k.startswith("dl-update/")}
         b.round = int(meta["downlink_round"])
+        b.initial_digest = str(meta["initial_digest"])
         self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
         self.rng.bit_generator.state = meta["rng"]
         b.rng.bit_generator.state = meta["downlink_rng"]

@@ -83,3 +83,35 @@ def test_a_corrupted_downlink_payload_is_rejected():
     bad[40] ^= 1
     with pytest.raises(PayloadError):
         Replica().apply(DownlinkMessage("full", 0, 0, (bytes(bad),)), server.shapes, POLICY)
+
+
+def test_a_new_client_starts_from_its_own_round_zero_model_when_digests_agree():
+    rng = np.random.default_rng(0)
+    initial = _model(rng)
+    server = Broadcaster(initial, POLICY)
+    for _ in range(3):
+        server.publish({k: v + 1 for k, v in server.model.items()})
+    message = server.message_for(0)
+    assert message.kind == "delta" and message.base_digest == model_digest(initial)
+    assert message.nbytes < len(server.full_payload())
+    replica = Replica()
+    replica.apply(message, server.shapes, POLICY, initial=initial)
+    assert model_digest(replica.model) == model_digest(server.model)
+    # A client whose own initial model differs (another seed or torch) must not go on.
+    other = {k: v + np.float32(1e-3) for k, v in initial.items()}
+    with pytest.raises(ReplicaOutOfSync, match="initial model differs"):
+        Replica().apply(message, server.shapes, POLICY, initial=other)
+    # Without its own initial model, an empty replica needs the full model.
+    with pytest.raises(ReplicaOutOfSync, match="full model is needed"):
+        Replica().apply(message, server.shapes, POLICY)
+
+
+def test_history_never_keeps_more_bytes_than_the_full_model():
+    rng = np.random.default_rng(0)
+    server = Broadcaster(_model(rng), POLICY, history=1000)
+    full = len(server.full_payload())
+    for _ in range(40):
+        server.publish({k: v + 1 for k, v in server.model.items()})
+        assert sum(len(p) for p in server.updates.values()) <= full
+    assert server.message_for(server.round - 1).kind == "delta"
+    assert server.message_for(0).kind == "full"  # its updates were dropped

@@ -60,16 +60,18 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
     sweep = Sweep(base={}, grid={"seed": [0, 1]},
                   methods=[{"name": "a", "codec": "sign"},
                            {"name": "b", "codec": "none", "feedback": "none"}])
-    assert [r.values for r in sweep.runs][:2] == [{"method": "a", "seed": 0},
-                                                  {"method": "a", "seed": 1}]
-    assert sweep.runs[2].config.feedback == "none"
+    # Every method on the first seed before any on the second.
+    assert [r.values for r in sweep.runs] == [
+        {"method": "a", "seed": 0}, {"method": "b", "seed": 0},
+        {"method": "a", "seed": 1}, {"method": "b", "seed": 1}]
+    assert sweep.runs[1].config.feedback == "none" and sweep.runs[0].config.feedback == "ef"
     with pytest.raises(SpecError, match="non-empty list"):
         Sweep(base={}, grid={"seed": 3})
     with pytest.raises(SpecError, match="unknown run config key"):
         Sweep(base={"codecs": "sign"}, grid={})
     with pytest.raises(SpecError, match="set by the sweep itself"):
         Sweep(base={"run-name": "x"}, grid={})
-    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 22
+    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 24  # 12 x 2
 
 
 def test_an_interrupted_sweep_reruns_only_the_missing_runs(tmp_path):
