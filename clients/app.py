@@ -13,6 +13,7 @@ import time
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.mod import message_size_mod
 
 from fedcomp.client_round import (
     ClientState,
@@ -33,20 +34,31 @@ from fedcomp.flower import (
     save_client_state,
 )
 
-app = ClientApp()
+
+def _message_size(msg: Message, context: Context, call_next):
+    """Flower's own ``message_size_mod``, on nodes started with ``log-message-size=true``."""
+    if str(context.node_config.get("log-message-size", "false")).lower() == "true":
+        return message_size_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[_message_size])
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     settings = dict(msg.content["config"])
     server_round = int(settings.pop("server-round"))
+    clip_now = settings.pop("dp-clip-current", None)  # DP-FedAvg's C for this round
     cfg = RunConfig.from_mapping(settings)
     partition_id = int(context.node_config["partition-id"])
     num_partitions = int(context.node_config["num-partitions"])
     data = load_partition(
         cfg.dataset, partition_id, num_partitions, scheme=cfg.partitioning,
         alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client, seed=cfg.seed,
-        data_dir=cfg.data_dir, test_fraction=cfg.test_fraction,
+        # A SuperNode names its own data location; the run config's is the fallback.
+        data_dir=str(context.node_config.get("data-dir", cfg.data_dir)),
+        test_fraction=cfg.test_fraction,
     )
     fault = cfg.fault_plan.draw(server_round, partition_id)  # None unless fault-* > 0
     if fault == "dropout":
@@ -57,13 +69,16 @@ def train(msg: Message, context: Context) -> Message:
     state_path = (state_file(str(state_dir), context.run_id, partition_id)
                   if state_dir else None)
     saved = load_client_state(context.state)
+    from_file = False
     if not saved and state_path is not None:
         saved = load_state_file(state_path, run_id=context.run_id, partition_id=partition_id)
+        from_file = bool(saved)
     state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.dataset))
     try:
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
                                   data, server_round=server_round, client_seed=partition_id,
-                                  delta_scale=POISON_SCALE if fault == "poison" else 1.0)
+                                  delta_scale=POISON_SCALE if fault == "poison" else 1.0,
+                                  clip_norm=None if clip_now is None else float(clip_now))
     except ReplicaOutOfSync:
         state.replica = Replica()  # the server sends the full model after a failure
         _save(context, state, state_path, partition_id, server_round)
@@ -76,7 +91,7 @@ def train(msg: Message, context: Context) -> Message:
         payload = tamper(fault, payload, np.random.default_rng([server_round, partition_id]))
     content = RecordDict({
         "update": payload_to_record(payload),
-        "metrics": MetricRecord(result.metrics),
+        "metrics": MetricRecord({**result.metrics, "state-from-file": float(from_file)}),
         "replica": ConfigRecord({"digest": result.replica_digest}),
     })
     return Message(content=content, reply_to=msg)

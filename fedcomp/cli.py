@@ -3,6 +3,7 @@
     fedcomp simulate [--num-supernodes 10] [--run-config "key=value ..."]
     fedcomp sweep experiments/sweeps/smoke.toml --out results/smoke
     fedcomp report results/smoke [--target 0.9]
+    fedcomp deploy certs|connection|superlink|register|supernode|run ...
 
 ``simulate`` wraps Flower's own CLI (``flwr run . local``), because that is the path
 users take and the one that must work: it starts (or reuses) the local SuperLink,
@@ -41,6 +42,11 @@ def flower_env(project: Path) -> dict[str, str]:
     for key, value in FLOWER_ENV.items():
         env.setdefault(key, value)
     env.setdefault("FLWR_HOME", str(project / ".flwr"))
+    # Flower's servers start helpers (flower-superexec, flwr-serverapp, flwr-clientapp)
+    # by name: they must be found in this environment even if it is not activated.
+    tools = str(Path(sys.executable).parent)
+    if tools not in env.get("PATH", "").split(os.pathsep):
+        env["PATH"] = tools + os.pathsep + env.get("PATH", "")
     return env
 
 
@@ -59,6 +65,15 @@ def _run_json(args: list[str], env: dict[str, str]) -> dict:
 
 
 def simulate(args: argparse.Namespace) -> int:
+    federation = (f"num-supernodes={args.num_supernodes} "
+                  f"client-resources-num-cpus={args.cpus_per_client}")
+    return _run_app(args, federation=federation, where=f"{args.num_supernodes} SuperNodes",
+                    summary_required=True)
+
+
+def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
+             summary_required: bool) -> int:
+    """``flwr run``, stream its log, then demand the status ``finished:completed``."""
     from fedcomp.results import format_summary_table
 
     project = Path(args.app).resolve()
@@ -67,17 +82,17 @@ def simulate(args: argparse.Namespace) -> int:
     run_name = args.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_config = " ".join(filter(None, [
         args.run_config, f"results-dir='{results_dir}'", f"run-name='{run_name}'"]))
-    federation = (f"num-supernodes={args.num_supernodes} "
-                  f"client-resources-num-cpus={args.cpus_per_client}")
     flwr = _flwr()
-    started = _run_json([flwr, "run", str(project), args.connection, "--format", "json",
-                         "--federation-config", federation, "--run-config", run_config], env)
+    command = [flwr, "run", str(project), args.connection, "--format", "json",
+               "--run-config", run_config]
+    if federation:
+        command += ["--federation-config", federation]
+    started = _run_json(command, env)
     if not started.get("success"):
         print(f"error: flwr run failed: {started}", file=sys.stderr)
         return 1
     run_id = str(started["run-id"])
-    print(f"fedcomp: started Flower run {run_id} ({args.num_supernodes} SuperNodes)",
-          flush=True)
+    print(f"fedcomp: started Flower run {run_id} ({where})", flush=True)
     subprocess.run([flwr, "log", run_id, args.connection, "--stream"], env=env, check=False)
     status = ""
     for _ in range(60):  # the log stream can end a moment before the status is final
@@ -93,11 +108,65 @@ def simulate(args: argparse.Namespace) -> int:
         return 1
     summary_path = results_dir / run_name / "summary.json"
     if not summary_path.exists():
-        print(f"error: the run completed but wrote no {summary_path}", file=sys.stderr)
-        return 1
+        if summary_required:
+            print(f"error: the run completed but wrote no {summary_path}", file=sys.stderr)
+            return 1
+        print(f"fedcomp: run {run_id} finished:completed; its results are on the "
+              f"SuperLink's machine in {summary_path.parent}")
+        return 0
     print("\n" + format_summary_table([json.loads(summary_path.read_text())]))
-    print(f"\nresults: {summary_path.parent} (rounds.csv, summary.json)")
+    print(f"\nresults: {summary_path.parent} (rounds.csv, clients.csv, summary.json)")
     return 0
+
+
+def _exec(argv: list[str], env: dict[str, str]) -> int:
+    """Replace this process with a Flower server process (signals reach it directly)."""
+    print("fedcomp: " + " ".join(argv), flush=True)
+    os.execvpe(argv[0], argv, env)
+    return 1  # not reached
+
+
+def deploy(args: argparse.Namespace) -> int:
+    from fedcomp import deploy as dep
+
+    project = Path(args.app).resolve() if hasattr(args, "app") else Path.cwd()
+    env = flower_env(project)
+    certs = None if getattr(args, "insecure", False) else dep.Certificates(
+        Path(getattr(args, "certs", "") or "deploy/certs"))
+    if certs is not None and args.action not in ("certs", "run") and not certs.ca_cert.exists():
+        print(f"error: {certs.ca_cert} does not exist: run `fedcomp deploy certs` first, "
+              "or pass --insecure for a test on one machine", file=sys.stderr)
+        return 2
+    if getattr(args, "insecure", False):
+        print("fedcomp: WARNING: insecure mode (no TLS, no node authentication): for a "
+              "test on one machine only", file=sys.stderr)
+    if args.action == "certs":
+        hosts = args.host or ["localhost", "127.0.0.1"]
+        made = dep.make_certificates(args.certs, hosts=hosts, nodes=args.nodes)
+        print(f"wrote CA, SuperLink certificate ({', '.join(hosts)}) and {args.nodes} node "
+              f"key pairs to {made.folder} (private keys mode 0600)")
+        return 0
+    if args.action == "connection":
+        path = dep.write_connection(env["FLWR_HOME"], args.name, args.address, certs)
+        print(f"wrote connection {args.name!r} -> {args.address} to {path}")
+        return 0
+    if args.action == "superlink":
+        return _exec(dep.superlink_argv(certs, host=args.host, port=args.port,
+                                        database=args.database), env)
+    if args.action == "register":
+        assert certs is not None
+        return subprocess.run([_flwr(), "supernode", "register",
+                               str(certs.node_public_key(args.node)), args.connection],
+                              env=env, check=False).returncode
+    if args.action == "supernode":
+        return _exec(dep.supernode_argv(
+            certs, args.node, superlink=args.superlink, partition_id=args.partition_id,
+            num_partitions=args.num_partitions, port=args.port, state_dir=args.state_dir,
+            data_dir=args.data_dir, log_message_size=args.log_message_size), env)
+    if args.action == "run":
+        return _run_app(args, federation=None, where=f"connection {args.connection}",
+                        summary_required=False)
+    raise AssertionError(args.action)
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -154,8 +223,60 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--target", type=float, default=None,
                      help="target accuracy (default: best of codec=none runs - 0.01)")
     rep.set_defaults(handler=report)
+    _add_deploy_parser(commands)
     args = parser.parse_args(argv)
     return args.handler(args)
+
+
+def _add_deploy_parser(commands) -> None:
+    dep = commands.add_parser(
+        "deploy", help="SuperLink and SuperNodes on several machines (TLS + node auth)")
+    actions = dep.add_subparsers(dest="action", required=True)
+
+    def with_certs(p, insecure: bool = True):
+        p.add_argument("--certs", default="deploy/certs", help="folder of `deploy certs`")
+        if insecure:
+            p.add_argument("--insecure", action="store_true",
+                           help="no TLS, no node authentication: a test on one machine only")
+        return p
+
+    certs = with_certs(actions.add_parser("certs", help="CA, SuperLink certificate, node keys"),
+                       insecure=False)
+    certs.add_argument("--host", action="append",
+                       help="an address the SuperLink is reached at (repeat; default "
+                            "localhost and 127.0.0.1)")
+    certs.add_argument("--nodes", type=int, default=2, help="node key pairs to make")
+    conn = with_certs(actions.add_parser("connection",
+                                         help="add a SuperLink connection to FLWR_HOME"))
+    conn.add_argument("--name", required=True)
+    conn.add_argument("--address", required=True, help="SuperLink host:port")
+    link = with_certs(actions.add_parser("superlink", help="start the SuperLink"))
+    link.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other machines")
+    link.add_argument("--port", type=int, default=8000)
+    link.add_argument("--database", default=None,
+                      help="state file, so a restarted SuperLink keeps runs and nodes")
+    reg = with_certs(actions.add_parser("register", help="register a node's public key"),
+                     insecure=False)
+    reg.add_argument("--node", type=int, required=True)
+    reg.add_argument("--connection", required=True)
+    node = with_certs(actions.add_parser("supernode", help="start one SuperNode"))
+    node.add_argument("--node", type=int, default=0, help="which node key to use")
+    node.add_argument("--superlink", required=True, help="SuperLink host:port")
+    node.add_argument("--partition-id", type=int, required=True)
+    node.add_argument("--num-partitions", type=int, required=True)
+    node.add_argument("--port", type=int, default=9094, help="this node's local API port")
+    node.add_argument("--state-dir", default=None,
+                      help="where this node keeps residuals and replica between rounds")
+    node.add_argument("--data-dir", default=None, help="this node's dataset location")
+    node.add_argument("--log-message-size", action="store_true",
+                      help="log every message's size (Flower's message_size_mod)")
+    run = actions.add_parser("run", help="run the app on a deployment and check its status")
+    run.add_argument("--app", default=".")
+    run.add_argument("--connection", required=True)
+    run.add_argument("--run-config", default="")
+    run.add_argument("--run-name", default="")
+    run.add_argument("--results-dir", default="results")
+    dep.set_defaults(handler=deploy)
 
 
 if __name__ == "__main__":

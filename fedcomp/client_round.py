@@ -29,7 +29,7 @@ from fedcomp.downlink import DownlinkMessage, Replica, model_digest
 from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
 from fedcomp.models import build_model
 from fedcomp.policy import encode_update
-from fedcomp.privacy import clip_update, update_norm
+from fedcomp.privacy import clip_update, train_dp_sgd, update_norm
 from fedcomp.training import state_arrays, train
 
 __all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
@@ -52,6 +52,9 @@ class ClientState:
 
     replica: Replica
     feedback: Any
+    #: dp = "sample": the client's Opacus accountant history (noise, rate, steps),
+    #: one accountant for the client's whole life.
+    dp_history: list[tuple[float, float, int]] = field(default_factory=list)
 
     @classmethod
     def fresh(cls, cfg: RunConfig) -> ClientState:
@@ -61,13 +64,20 @@ class ClientState:
         replica = {_REPLICA_PREFIX + k: v for k, v in (self.replica.model or {}).items()}
         replica[_ROUND_KEY] = np.array([-1 if self.replica.round is None
                                         else self.replica.round], dtype=np.int64)
-        return {"replica": replica, "feedback": self.feedback.state_dict()}
+        groups = {"replica": replica, "feedback": self.feedback.state_dict()}
+        if self.dp_history:
+            groups["privacy"] = {"history": np.array(self.dp_history, dtype=np.float64)}
+        return groups
 
     @classmethod
     def from_arrays(cls, cfg: RunConfig, saved: Mapping[str, Mapping[str, np.ndarray]],
                     shapes: Mapping[str, tuple[int, ...]]) -> ClientState:
         """Restore saved state; anything that does not fit this run is dropped."""
         state = cls.fresh(cfg)
+        history = (saved.get("privacy") or {}).get("history")
+        if history is not None:
+            rows = np.asarray(history, dtype=np.float64).reshape(-1, 3)
+            state.dp_history = [(float(a), float(b), int(c)) for a, b, c in rows]
         replica = saved.get("replica") or {}
         if replica:
             model = {k[len(_REPLICA_PREFIX):]: np.array(v, dtype=np.float32)
@@ -142,6 +152,7 @@ def run_client_round(
     server_round: int,
     client_seed: int,
     delta_scale: float = 1.0,
+    clip_norm: float | None = None,
 ) -> ClientResult:
     """Sync the replica, train locally, and encode the delta with error feedback.
 
@@ -150,6 +161,8 @@ def run_client_round(
     before encoding; fault injection uses it to play a poisoned message. That message
     is encoded without error feedback and leaves the client's memory untouched, so
     one poisoned round does not turn the client into a permanent poisoner.
+    ``clip_norm`` is this round's DP-FedAvg clipping norm (it moves with adaptive
+    clipping); ``cfg.dp_clip_norm`` if None.
 
     Raises
     ------
@@ -172,16 +185,29 @@ def run_client_round(
     model = build_model(cfg.dataset, seed=cfg.seed)
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.replica.model.items()})
     start = time.perf_counter()
-    loss = train(model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
-                 batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-                 proximal_mu=cfg.proximal_mu, seed=client_seed * 100_003 + server_round)
+    train_seed = client_seed * 100_003 + server_round
+    dp_metrics: dict[str, float] = {}
+    if cfg.dp == "sample":
+        loss, state.dp_history, epsilon = train_dp_sgd(
+            model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
+            batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+            noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_clip_norm,
+            history=state.dp_history, delta=cfg.dp_delta, seed=train_seed)
+        dp_metrics["epsilon"] = epsilon
+    else:
+        loss = train(model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
+                     batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+                     proximal_mu=cfg.proximal_mu, seed=train_seed)
     train_s = time.perf_counter() - start
     after = state_arrays(model)
     delta = {k: after[k] - v for k, v in state.replica.model.items()}
     feedback = state.feedback
     delta_norm = update_norm(delta)
     if cfg.dp == "client":  # DP-FedAvg: clip before compressing (the server re-clips)
-        delta, _ = clip_update(delta, cfg.dp_clip_norm)
+        clip = cfg.dp_clip_norm if clip_norm is None else clip_norm
+        delta, _ = clip_update(delta, clip)
+        # Adaptive clipping's bit: was this update under the clip? (noised on the server)
+        dp_metrics["dp-unclipped"] = float(delta_norm <= clip)
     if delta_scale != 1.0:
         delta = {k: v * np.float32(delta_scale) for k, v in delta.items()}
         feedback = NoFeedback()
@@ -205,5 +231,6 @@ def run_client_round(
         "replica-round": float(state.replica.round or 0),
         "residual-norm-in": residual_in,
         "delta-norm": delta_norm,
+        **dp_metrics,
     }
     return ClientResult(update.payload, metrics, replica_digest)

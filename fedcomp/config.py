@@ -30,7 +30,7 @@ _CHOICES = {
     "feedback": ("ef", "ef21", "none"),
     "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
     "norm_action": ("reject", "clip"),
-    "dp": ("none", "client"),
+    "dp": ("none", "client", "sample"),
 }
 
 
@@ -88,6 +88,10 @@ class RunConfig:
     dp_clip_norm: float = 1.0
     dp_delta: float = 1e-5
     dp_target_epsilon: float = 0.0
+    dp_adaptive_clip: bool = False
+    dp_target_quantile: float = 0.5
+    dp_clip_lr: float = 0.2
+    dp_clipped_count_stddev: float = 0.0
     checkpoint: bool = True
     resume: bool = False
     seed: int = 0
@@ -137,6 +141,12 @@ class RunConfig:
                                   or not 0 < self.dp_delta < 1 or self.dp_target_epsilon < 0):
             raise SpecError("run config dp-noise-multiplier and dp-clip-norm must be > 0, "
                             "dp-delta in (0, 1) and dp-target-epsilon >= 0")
+        if self.dp_adaptive_clip and self.dp != "client":
+            raise SpecError("run config 'dp-adaptive-clip' needs dp = 'client'")
+        if not 0 < self.dp_target_quantile < 1 or self.dp_clip_lr <= 0 \
+                or self.dp_clipped_count_stddev < 0:
+            raise SpecError("run config dp-target-quantile must be in (0, 1), dp-clip-lr > 0 "
+                            "and dp-clipped-count-stddev >= 0 (0: automatic)")
         if self.round_timeout <= 0:
             raise SpecError(f"run config 'round-timeout' must be > 0, got {self.round_timeout!r}")
         try:

@@ -28,13 +28,17 @@ usual approximation in federated DP and the one Flower's own DP examples make.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+import torch
 from opacus.accountants import RDPAccountant
 
-__all__ = ["ClientLevelDP", "clip_update", "update_norm"]
+__all__ = ["AdaptiveClipping", "ClientLevelDP", "adaptive_noise_multiplier", "clip_update",
+           "strip_module_prefix", "train_dp_sgd", "update_norm"]
 
 
 def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
@@ -78,6 +82,9 @@ class ClientLevelDP:
     delta: float = 1e-5
     target_epsilon: float = 0.0
     accountant: RDPAccountant = field(default_factory=RDPAccountant)
+    #: The noise multiplier of the update itself, when it differs from the accounted
+    #: one (adaptive clipping spends part of the budget on the clipped count).
+    update_noise_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         if self.noise_multiplier <= 0 or self.clip_norm <= 0:
@@ -87,7 +94,8 @@ class ClientLevelDP:
 
     @property
     def noise_std(self) -> float:
-        return self.noise_multiplier * self.clip_norm
+        """Std of the noise on the clipped sum (for the current ``clip_norm``)."""
+        return (self.update_noise_multiplier or self.noise_multiplier) * self.clip_norm
 
     def epsilon(self) -> float:
         """Epsilon at ``delta`` for all rounds recorded so far (0 before any)."""
@@ -125,3 +133,157 @@ class ClientLevelDP:
 
     def restore(self, history: list[list[float]]) -> None:
         self.accountant.history = [(float(s), float(q), int(n)) for s, q, n in history]
+
+
+def adaptive_noise_multiplier(noise_multiplier: float, count_stddev: float) -> float:
+    """The update's noise multiplier when part of the budget goes to the clipped count.
+
+    Andrew et al. (2021), Theorem 1: releasing the clipped sum with noise multiplier
+    ``z_delta`` and the clipped count (sensitivity 1/2 after centring) with noise std
+    ``count_stddev`` is as private as one Gaussian mechanism with multiplier ``z``
+    when ``z_delta = (z**-2 - (2 * count_stddev)**-2) ** -1/2``. The accountant is then
+    run with ``z``.
+
+    Raises
+    ------
+    ValueError
+        If ``count_stddev`` is too small to fit in the budget (``2 * count_stddev <= z``).
+    """
+    if count_stddev <= noise_multiplier / 2:
+        raise ValueError(f"dp-clipped-count-stddev {count_stddev:g} must exceed half the "
+                         f"noise multiplier ({noise_multiplier / 2:g}); raise it")
+    return (noise_multiplier ** -2 - (2 * count_stddev) ** -2) ** -0.5
+
+
+@dataclass
+class AdaptiveClipping:
+    """The clipping norm follows a quantile of the clients' update norms.
+
+    Andrew et al. (2021), "Differentially Private Learning with Adaptive Clipping": each
+    sampled client reports whether its update norm was at most the current ``C``
+    (``b_i`` in {0, 1}); the server releases the noisy fraction
+    ``b = (sum b_i + N(0, count_stddev**2)) / expected`` and moves ``C`` geometrically,
+    ``C <- C * exp(-learning_rate * (b - target_quantile))``. When more clients than
+    the target fraction are under ``C``, it shrinks, and it grows otherwise, so ``C``
+    settles at the ``target_quantile`` of the norms.
+
+    Parameters
+    ----------
+    clip_norm
+        Initial ``C``.
+    target_quantile
+        Fraction of updates that should be left unclipped (0.5 in the paper).
+    learning_rate
+        ``eta_C`` of the geometric update (0.2 in the paper).
+    count_stddev
+        Noise std of the clipped count (the paper suggests expected clients / 20).
+    """
+
+    clip_norm: float
+    target_quantile: float = 0.5
+    learning_rate: float = 0.2
+    count_stddev: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.clip_norm <= 0 or self.learning_rate <= 0 or self.count_stddev <= 0:
+            raise ValueError("adaptive clipping needs clip_norm, learning_rate and "
+                             "count_stddev > 0")
+        if not 0 < self.target_quantile < 1:
+            raise ValueError(f"dp-target-quantile must be in (0, 1), got {self.target_quantile}")
+
+    def update(self, unclipped: int, expected: int, rng: np.random.Generator) -> float:
+        """Move ``C`` after a round in which ``unclipped`` clients had norm <= ``C``."""
+        if expected < 1:
+            raise ValueError("expected must be >= 1")
+        fraction = (unclipped + rng.normal(0.0, self.count_stddev)) / expected
+        self.clip_norm *= math.exp(-self.learning_rate * (fraction - self.target_quantile))
+        return self.clip_norm
+
+
+# ------------------------------------------------------------------ sample-level DP
+def strip_module_prefix(state: Mapping[str, Any]) -> dict[str, Any]:
+    """State-dict keys without the ``_module.`` prefix Opacus' wrapper adds."""
+    return {k.removeprefix("_module."): v for k, v in state.items()}
+
+
+def train_dp_sgd(
+    model: torch.nn.Module,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    epochs: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    momentum: float,
+    noise_multiplier: float,
+    max_grad_norm: float,
+    history: list[tuple[float, float, int]],
+    delta: float,
+    seed: int,
+) -> tuple[float, list[tuple[float, float, int]], float]:
+    """DP-SGD with Opacus on one client's data; the accountant carries on from ``history``.
+
+    Opacus clips every example's gradient to ``max_grad_norm``, adds Gaussian noise of
+    std ``noise_multiplier * max_grad_norm`` to each batch's sum, and samples batches
+    by Poisson sampling with rate ``batch_size / len(y)``, as its RDP analysis
+    assumes. One accountant serves the client's whole life: ``history`` (kept in the
+    client's state between rounds) is loaded into it first, so the epsilon returned
+    is cumulative over every round this client has trained, not per round (Flower's
+    own Opacus example makes a new engine every round and reports the latter).
+
+    Returns
+    -------
+    (mean loss, the accountant's new history, epsilon at ``delta`` so far)
+    """
+    from opacus import PrivacyEngine
+    from torch.utils.data import DataLoader, TensorDataset
+
+    if len(y) == 0:
+        return float("nan"), list(history), _epsilon(history, delta)
+    torch_gen = torch.Generator().manual_seed(seed)
+    loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
+                        batch_size=min(batch_size, len(y)), generator=torch_gen)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    with warnings.catch_warnings():
+        # We pass seeded generators on purpose (reproducible runs); Opacus warns that
+        # its secure RNG is off. The README says so once, not every round.
+        warnings.filterwarnings("ignore", message="Secure RNG turned off")
+        engine = PrivacyEngine(accountant="rdp")
+    engine.accountant.history = [tuple(h) for h in history]
+    private_model, private_opt, private_loader = engine.make_private(
+        module=model, optimizer=optimizer, data_loader=loader,
+        noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        poisson_sampling=True, noise_generator=torch.Generator().manual_seed(seed + 1))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    private_model.train()
+    target_steps = steps if steps > 0 else epochs * len(private_loader)
+    total, taken = 0.0, 0
+    while taken < target_steps:
+        for xb, yb in private_loader:
+            private_opt.zero_grad()
+            if len(yb) == 0:  # Poisson sampling can draw an empty batch: still a step
+                private_opt.step()
+            else:
+                loss = loss_fn(private_model(xb), yb)
+                with warnings.catch_warnings():  # Opacus' hooks on an input without grad
+                    warnings.filterwarnings("ignore", message="Full backward hook")
+                    loss.backward()
+                private_opt.step()
+                total += loss.item()
+            taken += 1
+            if taken >= target_steps:
+                break
+    # The wrapped module shares its parameters with ``model``; load them back by name
+    # all the same, so that callers never see Opacus' "_module." keys.
+    model.load_state_dict(strip_module_prefix(private_model.state_dict()))
+    new_history = [(float(s), float(q), int(n)) for s, q, n in engine.accountant.history]
+    return total / max(taken, 1), new_history, _epsilon(new_history, delta)
+
+
+def _epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
+    if not history:
+        return 0.0
+    accountant = RDPAccountant()
+    accountant.history = list(history)
+    return float(accountant.get_epsilon(delta=delta))

@@ -16,12 +16,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"]
+__all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"]
 
 ROUND_COLUMNS = [
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
-    "encode_s", "decode_s", "train_s", "epsilon",
+    "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s",
+]
+
+#: ``clients.csv``: one row per reply the server accepted for decoding, with what the
+#: client reported about itself (bytes it sent and received, residual, where its state
+#: came from).
+CLIENT_COLUMNS = [
+    "round", "node_id", "partition-id", "num-examples", "payload-bytes", "downlink-bytes",
+    "train-s", "encode-s", "residual-norm-in", "delta-norm", "replica-round",
+    "state-from-file",
 ]
 
 
@@ -44,6 +53,8 @@ class RoundRecord:
     decode_s: float = 0.0
     train_s: float = 0.0
     epsilon: float = 0.0
+    dp_clip: float = 0.0  # the clipping norm C used this round (dp = "client")
+    wall_s: float = 0.0  # seconds since the previous round ended (or the run started)
 
 
 class RunRecorder:
@@ -74,6 +85,9 @@ class RunRecorder:
         self.started = time.perf_counter()
         self.initial_accuracy = math.nan
         self._csv_path = self.out_dir / "rounds.csv"
+        self._clients_path = self.out_dir / "clients.csv"
+        self._clients_fresh = True
+        self._last_round_end = time.perf_counter()
         self._rewrite_csv()
 
     def _rewrite_csv(self) -> None:
@@ -98,10 +112,20 @@ class RunRecorder:
         self.replies_ok = int(state["replies_ok"])
         self.initial_accuracy = float(state["initial_accuracy"])
         self.started = time.perf_counter() - float(state["elapsed_s"])
+        self._clients_fresh = False  # keep the rows of the rounds before the restart
         self._rewrite_csv()
 
-    def record(self, row: RoundRecord, rejected_by_reason: dict[str, int] | None = None) -> None:
-        """Append a finished round (cumulative columns are filled in here)."""
+    def record(self, row: RoundRecord, rejected_by_reason: dict[str, int] | None = None,
+               clients: dict[int, dict[str, float]] | None = None) -> None:
+        """Append a finished round (cumulative columns and wall time are filled in here).
+
+        ``clients`` maps node ids to the metrics each client reported; they go to
+        ``clients.csv``.
+        """
+        now = time.perf_counter()
+        row.wall_s, self._last_round_end = now - self._last_round_end, now
+        if clients is not None:
+            self._record_clients(row.round, clients)
         previous = self.rows[-1] if self.rows else None
         row.cum_uplink_bytes = (previous.cum_uplink_bytes if previous else 0) + row.uplink_bytes
         row.cum_downlink_bytes = ((previous.cum_downlink_bytes if previous else 0)
@@ -124,6 +148,18 @@ class RunRecorder:
                 f"{time.perf_counter() - self.started:.1f} s",
                 flush=True,
             )
+
+    def _record_clients(self, server_round: int, clients: dict[int, dict[str, float]]) -> None:
+        mode = "w" if self._clients_fresh or not self._clients_path.exists() else "a"
+        with self._clients_path.open(mode, newline="") as handle:
+            writer = csv.writer(handle)
+            if mode == "w":
+                writer.writerow(CLIENT_COLUMNS)
+            for node, metrics in sorted(clients.items(),
+                                        key=lambda item: item[1].get("partition-id", 0)):
+                writer.writerow([server_round, node]
+                                + [metrics.get(c, "") for c in CLIENT_COLUMNS[2:]])
+        self._clients_fresh = False
 
     def summary(self) -> dict[str, Any]:
         accuracies = [r.accuracy for r in self.rows if not math.isnan(r.accuracy)]

@@ -82,7 +82,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         elif server_round in strategy.stats:
             stats = strategy.stats[server_round]
             stats.record.accuracy, stats.record.loss = accuracy, loss
-            recorder.record(stats.record, stats.rejected_by_reason)
+            recorder.record(stats.record, stats.rejected_by_reason, stats.client_metrics)
             if cfg.checkpoint:
                 arrays, meta = strategy.state_dict()
                 save_checkpoint(checkpoint_path, arrays, {
@@ -101,8 +101,10 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "replica_checks": sum(s.replica_checks for s in strategy.stats.values()),
         "replica_mismatches": sum(s.replica_mismatches for s in strategy.stats.values()),
         "resumed_after_round": done,
-        "epsilon": strategy.dp.epsilon() if strategy.dp else None,
-        "dp_delta": cfg.dp_delta if strategy.dp else None,
+        "epsilon": (strategy.dp.epsilon() if strategy.dp else
+                    strategy.sample_epsilon if cfg.dp == "sample" else None),
+        "dp_delta": cfg.dp_delta if cfg.dp != "none" else None,
+        "dp_final_clip": strategy.dp.clip_norm if strategy.dp else None,
         "stopped_early": strategy.stopped,
     }
     return recorder.finish(), strategy

@@ -41,7 +41,7 @@ from fedcomp.aggregation import ClientReply, aggregate_deltas
 from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, model_digest
 from fedcomp.flower import downlink_to_record, payload_from_record
-from fedcomp.privacy import ClientLevelDP
+from fedcomp.privacy import AdaptiveClipping, ClientLevelDP, adaptive_noise_multiplier
 from fedcomp.results import RoundRecord
 from fedcomp.server_opt import ServerOptimizer
 
@@ -92,7 +92,19 @@ class CompressedFedAvg(FedAvg):
         self.round_offset = 0
         self.dp = (ClientLevelDP(cfg.dp_noise_multiplier, cfg.dp_clip_norm, cfg.dp_delta,
                                  cfg.dp_target_epsilon) if cfg.dp == "client" else None)
+        # Adaptive clipping: C follows a quantile of the update norms; part of the noise
+        # budget goes to the clipped count (fedcomp.privacy.adaptive_noise_multiplier).
+        self.adaptive = None
+        if self.dp is not None and cfg.dp_adaptive_clip:
+            count_stddev = cfg.dp_clipped_count_stddev or max(
+                max(cfg.clients_per_round, 1) / 20, cfg.dp_noise_multiplier)
+            self.adaptive = AdaptiveClipping(cfg.dp_clip_norm, cfg.dp_target_quantile,
+                                             cfg.dp_clip_lr, count_stddev)
+            self.dp.update_noise_multiplier = adaptive_noise_multiplier(
+                cfg.dp_noise_multiplier, count_stddev)
         self.dp_rng = np.random.default_rng([cfg.seed, 0xD9])
+        #: dp = "sample": the largest cumulative epsilon any client reported.
+        self.sample_epsilon = 0.0
         #: Why training stopped before the last round (a privacy budget), if it did.
         self.stopped: str | None = None
         self._sample_rate = 1.0
@@ -132,6 +144,8 @@ class CompressedFedAvg(FedAvg):
             log.warning("privacy budget: %s", self.stopped)
             return []
         settings = ConfigRecord({**self.cfg.to_mapping(), "server-round": server_round})
+        if self.dp is not None:
+            settings["dp-clip-current"] = self.dp.clip_norm  # moves with adaptive clipping
         messages = []
         self._sent = {}
         for node in nodes:
@@ -198,7 +212,7 @@ class CompressedFedAvg(FedAvg):
                                   expected_meta={"round": server_round},
                                   norm_bound=self.cfg.norm_bound,
                                   norm_action=self.cfg.norm_action,
-                                  clip_norm=self.cfg.dp_clip_norm if self.dp else 0.0)
+                                  clip_norm=self.dp.clip_norm if self.dp else 0.0)
         if self.dp is not None:
             # Noise on the clipped sum, divided by the number sampled (fixed, whoever
             # answered); the round is accounted even if nothing came back.
@@ -207,6 +221,18 @@ class CompressedFedAvg(FedAvg):
                                                        self.dp_rng)
             self.dp.record_round(self._sample_rate)
             stats.record.epsilon = self.dp.epsilon()
+            stats.record.dp_clip = self.dp.clip_norm
+            if self.adaptive is not None:
+                accepted = set(result.accepted)
+                unclipped = sum(int(stats.client_metrics[n].get("dp-unclipped", 0) > 0)
+                                for n in accepted)
+                self.dp.clip_norm = self.adaptive.update(unclipped, len(self._sent),
+                                                         self.dp_rng)
+        elif self.cfg.dp == "sample":
+            # Each client accounts its own DP-SGD; the run's guarantee is the worst one.
+            stats.record.epsilon = max((float(m.get("epsilon", 0.0))
+                                        for m in stats.client_metrics.values()), default=0.0)
+            self.sample_epsilon = max(self.sample_epsilon, stats.record.epsilon)
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
         stats.record.clients_ok = len(result.accepted)
@@ -241,6 +267,8 @@ class CompressedFedAvg(FedAvg):
                 "downlink_rng": b.rng.bit_generator.state,
                 "dp_rng": self.dp_rng.bit_generator.state,
                 "dp_history": self.dp.state() if self.dp else [],
+                "dp_clip": self.dp.clip_norm if self.dp else None,
+                "sample_epsilon": self.sample_epsilon,
                 "stopped": self.stopped}
         return arrays, meta
 
@@ -262,6 +290,8 @@ class CompressedFedAvg(FedAvg):
         self.dp_rng.bit_generator.state = meta["dp_rng"]
         if self.dp is not None:
             self.dp.restore(meta["dp_history"])
+            self.dp.clip_norm = float(meta["dp_clip"])
+        self.sample_epsilon = float(meta.get("sample_epsilon", 0.0))
         self.stopped = meta.get("stopped")
 
     def current_arrays(self) -> ArrayRecord:

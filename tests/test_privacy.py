@@ -108,3 +108,135 @@ def test_a_client_level_dp_simulation_with_compression_records_epsilon(tmp_path)
     cfg_tight = cfg.replace(run_name="tight", dp_target_epsilon=epsilons[0] + 0.01)
     tight, _ = simulate(cfg_tight, num_supernodes=3)
     assert tight["rounds_completed"] == 1 and "stopped before round 2" in tight["stopped_early"]
+
+
+# ------------------------------------------------------------------ adaptive clipping
+@pytest.mark.parametrize(("quantile", "sigma_log"), [(0.5, 0.5), (0.8, 0.5), (0.3, 1.0)])
+def test_adaptive_clipping_converges_to_the_target_quantile(quantile, sigma_log):
+    from scipy.stats import norm
+
+    from fedcomp.privacy import AdaptiveClipping
+
+    rng = np.random.default_rng(0)
+    clipper = AdaptiveClipping(clip_norm=0.05, target_quantile=quantile, learning_rate=0.2,
+                               count_stddev=100 / 20)
+    history = []
+    for _ in range(400):  # 100 clients a round with log-normal update norms
+        norms = np.exp(rng.normal(0.0, sigma_log, size=100))
+        history.append(clipper.update(int((norms <= clipper.clip_norm).sum()), 100, rng))
+    true_quantile = float(np.exp(sigma_log * norm.ppf(quantile)))
+    settled = float(np.median(history[-100:]))
+    # Started 20x too small; it must find the quantile within 10 %.
+    assert settled == pytest.approx(true_quantile, rel=0.10)
+    # And the fraction of norms left unclipped at that C is the target.
+    fresh = np.exp(rng.normal(0.0, sigma_log, size=200_000))
+    assert float((fresh <= settled).mean()) == pytest.approx(quantile, abs=0.04)
+
+
+def test_adaptive_noise_multiplier_spends_part_of_the_budget_on_the_count():
+    from fedcomp.privacy import adaptive_noise_multiplier
+
+    z = adaptive_noise_multiplier(1.0, 5.0)
+    assert z == pytest.approx((1.0 - 0.01) ** -0.5)
+    assert z > 1.0  # more noise on the update than the accounted multiplier
+    with pytest.raises(ValueError, match="must exceed half the noise multiplier"):
+        adaptive_noise_multiplier(2.0, 1.0)
+    dp = ClientLevelDP(noise_multiplier=1.0, clip_norm=2.0, update_noise_multiplier=z)
+    assert dp.noise_std == pytest.approx(z * 2.0)
+
+
+# ------------------------------------------------------------------ sample-level DP
+def _digits_slice(n=64):
+    from fedcomp.data import load_dataset
+
+    train, _ = load_dataset("digits")
+    return train.x[:n], train.y[:n]
+
+
+def test_dp_sgd_keeps_one_accountant_across_rounds_and_plain_state_dict_keys():
+    from fedcomp.models import build_model
+    from fedcomp.privacy import train_dp_sgd
+    from fedcomp.training import state_arrays
+
+    x, y = _digits_slice()
+    model = build_model("digits", seed=0)
+    names = list(model.state_dict())
+    before = state_arrays(model)
+    history: list = []
+    epsilons = []
+    for round_seed in range(2):
+        model = build_model("digits", seed=0)
+        _, history, eps = train_dp_sgd(
+            model, x, y, epochs=0, steps=5, batch_size=16, lr=0.05, momentum=0.0,
+            noise_multiplier=1.1, max_grad_norm=1.0, history=history, delta=1e-5,
+            seed=round_seed)
+        epsilons.append(eps)
+    assert list(model.state_dict()) == names  # no "_module." prefix
+    after = state_arrays(model)
+    assert any(not np.array_equal(before[k], after[k]) for k in names)  # it trained
+    # One accountant: 10 steps in all at q = 16/64, not twice 5.
+    assert sum(steps for _, _, steps in history) == 10
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=16 / 64, noise_multiplier=1.1, steps=10, orders=orders)
+    independent, _ = get_privacy_spent(orders=orders, rdp=rdp, delta=1e-5)
+    assert epsilons[1] == pytest.approx(independent, rel=0.01)
+    assert epsilons[1] > epsilons[0] > 0
+
+
+def test_dp_sgd_clips_per_example_gradients():
+    """With no noise and a tiny clip, one DP-SGD step moves the model by at most lr * C."""
+    import torch
+
+    from fedcomp.models import build_model
+    from fedcomp.privacy import train_dp_sgd, update_norm
+    from fedcomp.training import state_arrays
+
+    x, y = _digits_slice(32)
+    model = build_model("digits", seed=0)
+    before = state_arrays(model)
+    torch.manual_seed(0)
+    train_dp_sgd(model, x, y, epochs=0, steps=1, batch_size=32, lr=1.0, momentum=0.0,
+                 noise_multiplier=0.0, max_grad_norm=1e-3, history=[], delta=1e-5, seed=0)
+    moved = update_norm({k: state_arrays(model)[k] - before[k] for k in before})
+    assert 0 < moved <= 1e-3 * (1 + 1e-4)  # mean of clipped grads: norm <= C
+
+
+def test_client_state_keeps_the_accountant_history():
+    from fedcomp.client_round import ClientState, model_shapes
+    from fedcomp.config import RunConfig
+
+    cfg = RunConfig(dp="sample")
+    state = ClientState.fresh(cfg)
+    state.dp_history = [(1.1, 0.25, 5), (1.1, 0.25, 7)]
+    restored = ClientState.from_arrays(cfg, state.to_arrays(), model_shapes("digits"))
+    assert restored.dp_history == state.dp_history
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["client-adaptive", "sample"])
+def test_each_dp_mode_completes_two_compressed_rounds(tmp_path, mode):
+    import csv
+
+    from fedcomp.config import RunConfig
+    from server.simulation import simulate
+
+    extra = (dict(dp="client", dp_adaptive_clip=True, dp_clip_norm=0.05)
+             if mode == "client-adaptive" else dict(dp="sample", dp_clip_norm=1.0))
+    cfg = RunConfig(num_server_rounds=2, local_steps=4, local_epochs=0,
+                    dp_noise_multiplier=1.0, codec="topk:ratio=0.05|quant:bits=4",
+                    results_dir=str(tmp_path), run_name=mode, **extra)
+    summary, _ = simulate(cfg, num_supernodes=3)
+    with open(tmp_path / mode / "rounds.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert summary["rounds_completed"] == 2
+    assert sum(int(r["clients_ok"]) for r in rows) == 6
+    epsilons = [float(r["epsilon"]) for r in rows]
+    assert 0 < epsilons[0] < epsilons[1] == pytest.approx(summary["epsilon"])
+    if mode == "client-adaptive":
+        # C = 0.05 is far below these update norms: every client is clipped, C grows.
+        assert float(rows[0]["dp_clip"]) == pytest.approx(0.05)
+        assert summary["dp_final_clip"] > 0.05
+    else:
+        with open(tmp_path / mode / "clients.csv") as handle:
+            clients = list(csv.DictReader(handle))
+        assert len(clients) == 6

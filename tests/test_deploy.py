@@ -1,0 +1,156 @@
+"""Deployment: certificates and keys, the commands, and a real TLS deployment on loopback."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+
+from fedcomp.cli import flower_env
+from fedcomp.deploy import (
+    Certificates,
+    Loopback,
+    make_certificates,
+    superlink_argv,
+    supernode_argv,
+    write_connection,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_certificates_chain_to_the_ca_name_the_hosts_and_keep_keys_private(tmp_path):
+    certs = make_certificates(tmp_path / "certs", hosts=["fl.example.org", "10.0.0.5"], nodes=3)
+    ca = x509.load_pem_x509_certificate(certs.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(certs.server_cert.read_bytes())
+    server.verify_directly_issued_by(ca)  # raises if the signature or issuer is wrong
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["fl.example.org"]
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.5"]
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    for secret in [certs.ca_key, certs.server_key, *(certs.node_key(i) for i in range(3))]:
+        assert stat.S_IMODE(secret.stat().st_mode) == 0o600, secret
+    keys = [load_ssh_private_key(certs.node_key(i).read_bytes(), None) for i in range(3)]
+    assert all(isinstance(k, ec.EllipticCurvePrivateKey) for k in keys)
+    publics = {certs.node_public_key(i).read_text() for i in range(3)}
+    assert len(publics) == 3 and all(p.startswith("ecdsa-sha2-nistp384 ") for p in publics)
+
+
+def test_rewriting_keys_never_leaves_them_readable(tmp_path):
+    certs = Certificates(tmp_path)
+    certs.node_key(0).write_text("old")
+    certs.node_key(0).chmod(0o644)
+    make_certificates(tmp_path, nodes=1)
+    assert stat.S_IMODE(certs.node_key(0).stat().st_mode) == 0o600
+
+
+def test_commands_are_secure_unless_asked_and_carry_the_node_config(tmp_path):
+    certs = Certificates(tmp_path)
+    link = superlink_argv(certs, host="0.0.0.0", port=8001)
+    assert "--enable-supernode-auth" in link and "--insecure" not in link
+    assert link[link.index("--ssl-certfile") + 1] == str(certs.server_cert)
+    assert "--insecure" in superlink_argv(None)
+    node = supernode_argv(certs, 1, superlink="10.0.0.5:8001", partition_id=1,
+                          num_partitions=4, state_dir=tmp_path / "state", data_dir=tmp_path)
+    config = node[node.index("--node-config") + 1]
+    assert config.startswith("partition-id=1 num-partitions=4 ")
+    assert f'state-dir="{(tmp_path / "state").resolve()}"' in config
+    assert node[node.index("--auth-supernode-private-key") + 1] == str(certs.node_key(1))
+    assert "--insecure" not in node
+    with pytest.raises(ValueError, match="partition-id"):
+        supernode_argv(certs, 0, superlink="x:1", partition_id=4, num_partitions=4)
+
+
+def test_connections_are_added_and_replaced_not_duplicated(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = ":local:"\n')
+    certs = Certificates(tmp_path / "certs")
+    write_connection(tmp_path, "prod", "fl.example.org:8000", certs)
+    write_connection(tmp_path, "prod", "10.0.0.5:8000", None)
+    import tomllib
+
+    config = tomllib.loads(path.read_text())["superlink"]
+    assert config["local"] == {"address": ":local:"}
+    assert config["prod"] == {"address": "10.0.0.5:8000", "insecure": True}
+    with pytest.raises(ValueError, match="connection name"):
+        write_connection(tmp_path, "bad name]", "x:1", None)
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_tls_deployment_with_node_auth_survives_a_supernode_restart(tmp_path):
+    """Two authenticated SuperNodes; node 0 is killed after round 1 and restarted.
+
+    The run must end ``finished:completed`` (checked by ``fedcomp deploy run``), and the
+    restarted node must carry on from its state file: its residual is non-zero and
+    its replica is in sync (no full-model fallback is needed for correctness, and
+    the server's digest check finds no mismatch).
+    """
+    results = tmp_path / "results"
+    run_config = ("dataset='digits' num-server-rounds=3 local-epochs=0 local-steps=20 "
+                  "min-clients=2 round-timeout=60.0")
+    with Loopback(tmp_path / "deploy", flower_env(ROOT), nodes=2) as deployment:
+        runner = subprocess.Popen(
+            [sys.executable, "-m", "fedcomp.cli", "deploy", "run", "--app", str(ROOT),
+             "--connection", deployment.connection, "--run-config", run_config,
+             "--run-name", "loopback", "--results-dir", str(results)],
+            env=deployment.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True)
+        try:
+            rounds_csv = results / "loopback" / "rounds.csv"
+            _wait_for(lambda: rounds_csv.exists() and len(_read_csv(rounds_csv)) >= 1,
+                      300, "round 1")
+            deployment.stop("supernode-0", signal.SIGKILL)
+            deployment.restart_node(0)
+            output, _ = runner.communicate(timeout=600)
+        finally:
+            if runner.poll() is None:
+                os.killpg(runner.pid, signal.SIGKILL)
+        assert runner.returncode == 0, output
+    summary = json.loads((results / "loopback" / "summary.json").read_text())
+    assert summary["rounds_completed"] == 3
+    assert summary["replica_mismatches"] == 0
+    clients = _read_csv(results / "loopback" / "clients.csv")
+    restarted = [row for row in clients
+                 if float(row["partition-id"]) == 0 and int(row["round"]) >= 2]
+    assert restarted, "node 0 never took part again after its restart"
+    first = restarted[0]
+    assert float(first["state-from-file"]) == 1.0
+    assert float(first["residual-norm-in"]) > 0.0
+    # The other node kept its state in the SuperNode's memory all along.
+    assert all(float(row["state-from-file"]) == 0.0 for row in clients
+               if float(row["partition-id"]) == 1)
+
+
+@pytest.mark.slow
+def test_a_supernode_with_an_unregistered_key_is_refused(tmp_path):
+    with Loopback(tmp_path / "deploy", flower_env(ROOT), nodes=1,
+                  start_nodes=False) as deployment:
+        # Loopback makes one spare key pair and registers only the nodes' own keys.
+        intruder = deployment.start_node(0, key=1)
+        code = intruder.wait(timeout=120)
+    assert code == 305, deployment.log_path("supernode-0").read_text()[-2000:]
