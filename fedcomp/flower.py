@@ -60,9 +60,15 @@ def payload_from_record(record: ConfigRecord) -> bytes:
 
 def downlink_to_record(message: DownlinkMessage) -> ConfigRecord:
     """A downlink message as a ConfigRecord (payloads as a list of bytes)."""
-    return ConfigRecord({"kind": message.kind, "from-round": message.from_round,
-                         "to-round": message.to_round, "payloads": list(message.payloads),
-                         "base-digest": message.base_digest})
+    record = ConfigRecord({"kind": message.kind, "from-round": message.from_round,
+                           "to-round": message.to_round})
+    # Empty values are left out: Flower's ConfigRecord.count_bytes (message_size_mod)
+    # fails on an empty string or list.
+    if message.payloads:
+        record["payloads"] = list(message.payloads)
+    if message.base_digest:
+        record["base-digest"] = message.base_digest
+    return record
 
 
 def downlink_from_record(record: ConfigRecord) -> DownlinkMessage:

@@ -143,7 +143,13 @@ class CompressedFedAvg(FedAvg):
                             f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
             log.warning("privacy budget: %s", self.stopped)
             return []
-        settings = ConfigRecord({**self.cfg.to_mapping(), "server-round": server_round})
+        # Empty strings are left out (the client's RunConfig defaults them to ""):
+        # Flower's ConfigRecord.count_bytes, which message_size_mod calls, rejects them.
+        defaults = RunConfig().to_mapping()
+        settings = ConfigRecord({
+            **{k: v for k, v in self.cfg.to_mapping().items()
+               if not (v == "" and defaults.get(k) == "")},
+            "server-round": server_round})
         if self.dp is not None:
             settings["dp-clip-current"] = self.dp.clip_norm  # moves with adaptive clipping
         messages = []

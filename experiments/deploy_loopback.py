@@ -1,0 +1,125 @@
+"""Deployment vs simulation: wall time per round, and the bytes that really travel.
+
+Runs the same config twice on this machine:
+
+1. as a deployment on loopback (SuperLink with TLS and node authentication, one
+   SuperNode per partition; ``fedcomp.deploy.Loopback``), with Flower's own
+   ``message_size_mod`` logging every message's size on each SuperNode;
+2. as a simulation (``flwr.simulation.run_simulation``) with as many virtual nodes.
+
+Then it prints wall seconds per round for both, and per SuperNode and round the bytes
+Flower's mod logged (incoming, outgoing) next to the payload bytes fedcomp counted
+(``clients.csv``: ``downlink-bytes`` and ``payload-bytes``).
+
+    .venv/bin/python experiments/deploy_loopback.py [--rounds 5] [--nodes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from fedcomp.cli import FLOWER_ENV, flower_env  # noqa: E402
+from fedcomp.deploy import Loopback  # noqa: E402
+
+# Flower prints each log line twice (console and a timestamped copy): take the latter.
+SIZE_LINE = re.compile(r"^\S+ \S+:INFO:(Incoming|Outgoing) message size: (\d+) bytes$", re.M)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def run_deployment(work: Path, run_config: str, nodes: int) -> tuple[Path, dict[int, list]]:
+    results = work / "results"
+    with Loopback(work / "deploy", flower_env(ROOT), nodes=nodes,
+                  node_config={"log-message-size": "true"}) as deployment:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fedcomp.cli", "deploy", "run", "--app", str(ROOT),
+             "--connection", deployment.connection, "--run-config", run_config,
+             "--run-name", "deployment", "--results-dir", str(results)],
+            env=deployment.env, capture_output=True, text=True, timeout=1800, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"deployment run failed:\n{proc.stdout[-3000:]}\n{proc.stderr}")
+        sizes = {}
+        for node in range(nodes):
+            text = deployment.log_path(f"supernode-{node}").read_text(errors="replace")
+            sizes[node] = [(kind, int(n)) for kind, n in SIZE_LINE.findall(text)]
+    return results / "deployment", sizes
+
+
+def run_simulation(work: Path, run_config: str, nodes: int) -> Path:
+    from flwr.common.config import parse_config_args
+
+    from fedcomp.config import RunConfig
+    from server.simulation import simulate
+
+    for key, value in FLOWER_ENV.items():
+        os.environ.setdefault(key, value)
+    overrides = parse_config_args([run_config])
+    cfg = RunConfig.from_mapping({**RunConfig().to_mapping(), **overrides,
+                                  "results-dir": str(work / "results"),
+                                  "run-name": "simulation"})
+    simulate(cfg, num_supernodes=nodes, verbose=False)
+    return work / "results" / "simulation"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--json", default="", help="also write the numbers here")
+    args = parser.parse_args()
+    run_config = (f"dataset='digits' num-server-rounds={args.rounds} local-epochs=1 "
+                  f"min-clients={args.nodes} downlink-codec='topk:ratio=0.05|quant:bits=8'")
+    with tempfile.TemporaryDirectory(prefix="fedcomp-deploy-") as tmp:
+        work = Path(tmp)
+        deployed, sizes = run_deployment(work, run_config, args.nodes)
+        simulated = run_simulation(work, run_config, args.nodes)
+        dep_rounds, sim_rounds = _rows(deployed / "rounds.csv"), _rows(simulated / "rounds.csv")
+        clients = _rows(deployed / "clients.csv")
+
+    # Round 1 includes start-up (processes, data loading): compare the rest.
+    dep_wall = [float(r["wall_s"]) for r in dep_rounds[1:]]
+    sim_wall = [float(r["wall_s"]) for r in sim_rounds[1:]]
+    print(f"{args.nodes} nodes, {args.rounds} rounds, {run_config}\n")
+    print("| | deployment (TLS, loopback) | simulation |\n|---|---|---|")
+    print(f"| wall s per round (rounds 2..{args.rounds}, median) | "
+          f"{statistics.median(dep_wall):.2f} | {statistics.median(sim_wall):.2f} |")
+    print(f"| final accuracy | {float(dep_rounds[-1]['accuracy']):.4f} | "
+          f"{float(sim_rounds[-1]['accuracy']):.4f} |")
+
+    print("\n| node | round | Flower in (B) | fedcomp downlink payload (B) | in - payload |"
+          " Flower out (B) | fedcomp uplink payload (B) | out - payload |")
+    print("|---|---|---|---|---|---|---|---|")
+    table = []
+    for node in range(args.nodes):
+        mine = [r for r in clients if int(float(r["partition-id"])) == node]
+        incoming = [n for kind, n in sizes[node] if kind == "Incoming"]
+        outgoing = [n for kind, n in sizes[node] if kind == "Outgoing"]
+        for row, size_in, size_out in zip(mine, incoming, outgoing, strict=False):
+            down, up = int(float(row["downlink-bytes"])), int(float(row["payload-bytes"]))
+            table.append({"node": node, "round": int(row["round"]), "flower_in": size_in,
+                          "fedcomp_down": down, "flower_out": size_out, "fedcomp_up": up})
+            print(f"| {node} | {row['round']} | {size_in:,} | {down:,} | {size_in - down:,} | "
+                  f"{size_out:,} | {up:,} | {size_out - up:,} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"deployment_wall_s": dep_wall,
+                                               "simulation_wall_s": sim_wall,
+                                               "messages": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
