@@ -154,3 +154,18 @@ def test_a_supernode_with_an_unregistered_key_is_refused(tmp_path):
         intruder = deployment.start_node(0, key=1)
         code = intruder.wait(timeout=120)
     assert code == 305, deployment.log_path("supernode-0").read_text()[-2000:]
+
+
+def test_the_cli_makes_certificates_and_connections_and_refuses_missing_certs(
+        tmp_path, monkeypatch, capsys):
+    from fedcomp.cli import main
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    assert main(["deploy", "certs", "--certs", str(tmp_path / "c"), "--nodes", "1",
+                 "--host", "10.1.2.3"]) == 0
+    assert Certificates(tmp_path / "c").node_public_key(0).exists()
+    assert main(["deploy", "connection", "--certs", str(tmp_path / "c"), "--name", "prod",
+                 "--address", "10.1.2.3:8000"]) == 0
+    assert 'address = "10.1.2.3:8000"' in (tmp_path / "home" / "config.toml").read_text()
+    assert main(["deploy", "superlink", "--certs", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
