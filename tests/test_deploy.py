@@ -153,7 +153,14 @@ def test_a_supernode_with_an_unregistered_key_is_refused(tmp_path):
         # Loopback makes one spare key pair and registers only the nodes' own keys.
         intruder = deployment.start_node(0, key=1)
         code = intruder.wait(timeout=120)
-    assert code == 305, deployment.log_path("supernode-0").read_text()[-2000:]
+        log = deployment.log_path("supernode-0").read_text()
+        # Flower logs its exit code 305 (SUPERNODE_CONNECTION_ERROR); the process status
+        # itself was 305 in some runs and 1 in others (its shutdown path races).
+        assert code != 0, log[-2000:]
+        assert "Exit Code: 305" in log and "Failed to activate SuperNode" in log
+        # Control: the same node with its registered key is let in.
+        deployment.restart_node(0, timeout=60)
+        assert deployment.processes["supernode-0"].poll() is None
 
 
 def test_the_cli_makes_certificates_and_connections_and_refuses_missing_certs(
