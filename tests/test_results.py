@@ -31,3 +31,32 @@ def test_rounds_csv_and_summary_json(tmp_path):
     assert summary["rejected_by_reason"] == {"checksum": 3, "stale": 1}
     table = format_summary_table([summary])
     assert "run" in table.splitlines()[0] and "20.0" in table
+
+
+def test_clients_csv_has_a_row_per_reply_and_survives_a_resume(tmp_path):
+    from fedcomp.results import CLIENT_COLUMNS
+
+    recorder = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3,
+                           verbose=False)
+    recorder.record(RoundRecord(1, clients_ok=2), None, {
+        7: {"partition-id": 1.0, "payload-bytes": 90.0},
+        5: {"partition-id": 0.0, "payload-bytes": 80.0, "state-from-file": 1.0}})
+    state = recorder.state()
+    resumed = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3, verbose=False)
+    resumed.restore(state)
+    resumed.record(RoundRecord(2, clients_ok=1), None, {7: {"partition-id": 1.0}})
+    with open(tmp_path / "run" / "clients.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert list(rows[0]) == CLIENT_COLUMNS
+    # Sorted by partition within a round; the resumed run appended.
+    assert [(r["round"], r["node_id"], r["payload-bytes"]) for r in rows] == [
+        ("1", "5", "80.0"), ("1", "7", "90.0"), ("2", "7", "")]
+    assert rows[0]["state-from-file"] == "1.0"
+    with open(tmp_path / "run" / "rounds.csv") as handle:
+        walls = [float(r["wall_s"]) for r in csv.DictReader(handle)]
+    assert len(walls) == 2 and all(w >= 0 for w in walls)
+    # A fresh run in the same folder starts clients.csv over.
+    fresh = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3, verbose=False)
+    fresh.record(RoundRecord(1), None, {9: {"partition-id": 0.0}})
+    with open(tmp_path / "run" / "clients.csv") as handle:
+        assert [r["node_id"] for r in csv.DictReader(handle)] == ["9"]

@@ -119,6 +119,9 @@ def test_bytes_to_target_on_a_hand_made_rounds_file():
     assert bytes_to_target(rounds, 0.85) == (3, 300, 3300)
     assert bytes_to_target(rounds, 0.84) == (2, 200, 2200)  # reaching it exactly counts
     assert bytes_to_target(rounds, 0.95) is None
+    # eval-every > 1: rounds without an evaluation (NaN) never count as reaching it.
+    sparse = [dict(r, accuracy=float("nan")) if r["round"] % 2 else r for r in rounds]
+    assert bytes_to_target(sparse, 0.85) == (4, 400, 4400)
 
 
 def test_report_computes_factors_against_the_uncompressed_runs_and_draws_plots(tmp_path):
