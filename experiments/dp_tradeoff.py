@@ -72,6 +72,10 @@ def build_sweep(base: dict, epsilons: list[float], clients: int) -> Sweep:
             methods.append({"name": f"sample-level eps={eps:g}, {label}", "dp": "sample",
                             "dp-noise-multiplier": math.ceil(sample_sigma * 1e4) / 1e4,
                             "codec": codec, "feedback": feedback})
+        # Dense 8-bit quantization: compression that keeps every (noisy) coordinate.
+        methods.append({"name": f"sample-level eps={eps:g}, 8-bit", "dp": "sample",
+                        "dp-noise-multiplier": math.ceil(sample_sigma * 1e4) / 1e4,
+                        "codec": "quant:bits=8", "feedback": "ef"})
     print(f"{clients} clients, {per_round} per round, {rounds} rounds; smallest client "
           f"{smallest} examples ({batches} batches): DP-SGD q = {sample_q:.3f}, "
           f"{sample_steps} steps")
