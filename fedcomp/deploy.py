@@ -21,7 +21,11 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import signal
+import socket
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,8 +249,6 @@ def write_connection(flwr_home: str | Path, name: str, address: str,
 # ---------------------------------------------------------------------- on one machine
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -287,7 +289,7 @@ class Loopback:
         self.port = free_port()
         self.node_ports = [free_port() for _ in range(nodes)]
         self.certs: Certificates | None = None
-        self.processes: dict[str, object] = {}
+        self.processes: dict[str, subprocess.Popen] = {}
 
     @property
     def address(self) -> str:
@@ -299,9 +301,7 @@ class Loopback:
     def log_path(self, name: str) -> Path:
         return self.workdir / f"{name}.log"
 
-    def _start(self, name: str, argv: list[str]):
-        import subprocess
-
+    def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = self.log_path(name).open("ab")
         process = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                    start_new_session=True, cwd=self.workdir)
@@ -330,14 +330,11 @@ class Loopback:
         self.close()
 
     def _wait_for_port(self, port: int, name: str, timeout: float = 60.0) -> None:
-        import socket
-        import time
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             process = self.processes[name]
-            if process.poll() is not None:  # type: ignore[attr-defined]
-                raise RuntimeError(f"{name} exited with {process.returncode}; "  # type: ignore[attr-defined]
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; "
                                    f"see {self.log_path(name)}")
             with socket.socket() as sock:
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
@@ -347,8 +344,6 @@ class Loopback:
 
     def register(self, node: int) -> None:
         """``flwr supernode register``: admit a node's public key."""
-        import subprocess
-
         assert self.certs is not None
         flwr = str(Path(sys.executable).with_name("flwr"))
         proc = subprocess.run([flwr, "supernode", "register",
@@ -359,7 +354,7 @@ class Loopback:
             raise RuntimeError(f"registering node {node} failed (exit {proc.returncode}):\n"
                                f"{proc.stdout}\n{proc.stderr}")
 
-    def start_node(self, node: int, *, key: int | None = None):
+    def start_node(self, node: int, *, key: int | None = None) -> subprocess.Popen:
         """Start (or restart) SuperNode ``node``; ``key`` picks another node's key pair."""
         argv = supernode_argv(self.certs, node if key is None else key,
                               superlink=self.address, partition_id=node,
@@ -396,19 +391,16 @@ class Loopback:
 
     def stop(self, name: str, sig: int | None = None, timeout: float = 20.0) -> int | None:
         """Stop one process group (SIGTERM, or ``sig``); SIGKILL if it lingers."""
-        import signal
-        import subprocess
-
         process = self.processes.pop(name, None)
         if process is None:
             return None
         for attempt in (sig if sig is not None else signal.SIGTERM, signal.SIGKILL):
             try:
-                os.killpg(process.pid, attempt)  # type: ignore[attr-defined]
+                os.killpg(process.pid, attempt)
             except ProcessLookupError:
                 pass
             try:
-                return process.wait(timeout=timeout)  # type: ignore[attr-defined]
+                return process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 continue
         return None
@@ -426,7 +418,7 @@ class Loopback:
         addresses = [f"127.0.0.1:{port}".encode() for port in [self.port, *self.node_ports]]
         for pid in _processes_mentioning(addresses):
             try:
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 

@@ -108,6 +108,12 @@ class CompressedFedAvg(FedAvg):
         #: Why training stopped before the last round (a privacy budget), if it did.
         self.stopped: str | None = None
         self._sample_rate = 1.0
+        # The run config every train message carries. Empty strings are left out (the
+        # client's RunConfig defaults them to ""): Flower's ConfigRecord.count_bytes,
+        # which message_size_mod calls, rejects them.
+        defaults = RunConfig().to_mapping()
+        self._settings = {k: v for k, v in cfg.to_mapping().items()
+                          if not (v == "" and defaults.get(k) == "")}
 
     def summary(self) -> None:
         log.info("CompressedFedAvg: uplink %s, downlink %s, small tensors %s (< %d), "
@@ -143,13 +149,7 @@ class CompressedFedAvg(FedAvg):
                             f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
             log.warning("privacy budget: %s", self.stopped)
             return []
-        # Empty strings are left out (the client's RunConfig defaults them to ""):
-        # Flower's ConfigRecord.count_bytes, which message_size_mod calls, rejects them.
-        defaults = RunConfig().to_mapping()
-        settings = ConfigRecord({
-            **{k: v for k, v in self.cfg.to_mapping().items()
-               if not (v == "" and defaults.get(k) == "")},
-            "server-round": server_round})
+        settings = ConfigRecord({**self._settings, "server-round": server_round})
         if self.dp is not None:
             settings["dp-clip-current"] = self.dp.clip_norm  # moves with adaptive clipping
         messages = []
