@@ -7,9 +7,11 @@ Runs the same config twice on this machine:
    ``message_size_mod`` logging every message's size on each SuperNode;
 2. as a simulation (``flwr.simulation.run_simulation``) with as many virtual nodes.
 
-Then it prints wall seconds per round for both, and per SuperNode and round the bytes
+Then it prints wall seconds per round for both, per SuperNode and round the bytes
 Flower's mod logged (incoming, outgoing) next to the payload bytes fedcomp counted
-(``clients.csv``: ``downlink-bytes`` and ``payload-bytes``).
+(``clients.csv``: ``downlink-bytes`` and ``payload-bytes``), and the bytes that
+really crossed loopback: each SuperNode dials the SuperLink through a small counting
+TCP relay (no packet capture tool is installed here).
 
     .venv/bin/python experiments/deploy_loopback.py [--rounds 5] [--nodes 2]
 """
@@ -42,10 +44,67 @@ def _rows(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def run_deployment(work: Path, run_config: str, nodes: int) -> tuple[Path, dict[int, list]]:
+class CountingProxy:
+    """A TCP relay that counts the bytes each way: what really crosses the network.
+
+    Each SuperNode dials the SuperLink through its own relay, so the counts are per
+    node and include everything: TLS records, HTTP, protobuf, heartbeats and polling.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self.up = 0    # node -> SuperLink
+        self.down = 0  # SuperLink -> node
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            for src, dst, field in ((client, upstream, "up"), (upstream, client, "down")):
+                threading.Thread(target=self._pipe, args=(src, dst, field), daemon=True).start()
+
+    def _pipe(self, src, dst, field: str) -> None:
+        try:
+            while chunk := src.recv(65536):
+                with self.lock:
+                    setattr(self, field, getattr(self, field) + len(chunk))
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(2)
+                except OSError:
+                    pass
+
+    def snapshot(self) -> tuple[int, int]:
+        with self.lock:
+            return self.up, self.down
+
+
+def run_deployment(work: Path, run_config: str, nodes: int
+                   ) -> tuple[Path, dict[int, list], dict[int, tuple[int, int]]]:
     results = work / "results"
-    with Loopback(work / "deploy", flower_env(ROOT), nodes=nodes,
-                  node_config={"log-message-size": "true"}) as deployment:
+    deployment = Loopback(work / "deploy", flower_env(ROOT), nodes=nodes,
+                          node_config={"log-message-size": "true"})
+    proxies = {i: CountingProxy(("127.0.0.1", deployment.port)) for i in range(nodes)}
+    deployment.node_superlink = {i: p.address for i, p in proxies.items()}
+    with deployment:
+        idle = {i: p.snapshot() for i, p in proxies.items()}  # connection set-up so far
         proc = subprocess.run(
             [sys.executable, "-m", "fedcomp.cli", "deploy", "run", "--app", str(ROOT),
              "--connection", deployment.connection, "--run-config", run_config,
@@ -57,7 +116,9 @@ def run_deployment(work: Path, run_config: str, nodes: int) -> tuple[Path, dict[
         for node in range(nodes):
             text = deployment.log_path(f"supernode-{node}").read_text(errors="replace")
             sizes[node] = [(kind, int(n)) for kind, n in SIZE_LINE.findall(text)]
-    return results / "deployment", sizes
+        wire = {i: tuple(a - b for a, b in zip(p.snapshot(), idle[i], strict=True))
+                for i, p in proxies.items()}
+    return results / "deployment", sizes, wire
 
 
 def run_simulation(work: Path, run_config: str, nodes: int) -> Path:
@@ -86,7 +147,7 @@ def main() -> None:
                   f"min-clients={args.nodes} downlink-codec='topk:ratio=0.05|quant:bits=8'")
     with tempfile.TemporaryDirectory(prefix="fedcomp-deploy-") as tmp:
         work = Path(tmp)
-        deployed, sizes = run_deployment(work, run_config, args.nodes)
+        deployed, sizes, wire = run_deployment(work, run_config, args.nodes)
         simulated = run_simulation(work, run_config, args.nodes)
         dep_rounds, sim_rounds = _rows(deployed / "rounds.csv"), _rows(simulated / "rounds.csv")
         clients = _rows(deployed / "clients.csv")
@@ -115,10 +176,20 @@ def main() -> None:
                           "fedcomp_down": down, "flower_out": size_out, "fedcomp_up": up})
             print(f"| {node} | {row['round']} | {size_in:,} | {down:,} | {size_in - down:,} | "
                   f"{size_out:,} | {up:,} | {size_out - up:,} |")
+    print("\n| node | wire bytes sent (TLS, all rounds) | fedcomp uplink payloads | "
+          "wire bytes received | fedcomp downlink payloads |\n|---|---|---|---|---|")
+    for node in range(args.nodes):
+        mine = [r for r in clients if int(float(r["partition-id"])) == node]
+        up = sum(int(float(r["payload-bytes"])) for r in mine)
+        down = sum(int(float(r["downlink-bytes"])) for r in mine)
+        sent, received = wire[node]
+        print(f"| {node} | {sent:,} | {up:,} | {received:,} | {down:,} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"deployment_wall_s": dep_wall,
                                                "simulation_wall_s": sim_wall,
-                                               "messages": table}, indent=1))
+                                               "messages": table,
+                                               "wire": {str(k): v for k, v in wire.items()}},
+                                              indent=1))
 
 
 if __name__ == "__main__":

@@ -290,6 +290,8 @@ class Loopback:
         self.node_ports = [free_port() for _ in range(nodes)]
         self.certs: Certificates | None = None
         self.processes: dict[str, subprocess.Popen] = {}
+        #: Where node ``i`` dials the SuperLink, if not directly (e.g. a counting proxy).
+        self.node_superlink: dict[int, str] = {}
 
     @property
     def address(self) -> str:
@@ -357,7 +359,8 @@ class Loopback:
     def start_node(self, node: int, *, key: int | None = None) -> subprocess.Popen:
         """Start (or restart) SuperNode ``node``; ``key`` picks another node's key pair."""
         argv = supernode_argv(self.certs, node if key is None else key,
-                              superlink=self.address, partition_id=node,
+                              superlink=self.node_superlink.get(node, self.address),
+                              partition_id=node,
                               num_partitions=self.nodes, port=self.node_ports[node],
                               state_dir=self.state_dir(node),
                               log_message_size=self.log_message_size)
