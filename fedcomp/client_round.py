@@ -188,12 +188,17 @@ def run_client_round(
     train_seed = client_seed * 100_003 + server_round
     dp_metrics: dict[str, float] = {}
     if cfg.dp == "sample":
+        steps_before = sum(steps for _, _, steps in state.dp_history)
         loss, state.dp_history, epsilon = train_dp_sgd(
             model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
             batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
             noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_clip_norm,
-            history=state.dp_history, delta=cfg.dp_delta, seed=train_seed)
-        dp_metrics["epsilon"] = epsilon
+            history=state.dp_history, delta=cfg.dp_delta, seed=train_seed,
+            target_epsilon=cfg.dp_target_epsilon)
+        # The server replays these in its own accountant (SampleLevelBudget).
+        dp_metrics.update({
+            "epsilon": epsilon, "dp-sample-rate": state.dp_history[-1][1],
+            "dp-steps": float(sum(steps for _, _, steps in state.dp_history) - steps_before)})
     else:
         loss = train(model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
                      batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,

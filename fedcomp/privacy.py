@@ -37,8 +37,17 @@ import numpy as np
 import torch
 from opacus.accountants import RDPAccountant
 
-__all__ = ["AdaptiveClipping", "ClientLevelDP", "adaptive_noise_multiplier", "clip_update",
-           "strip_module_prefix", "train_dp_sgd", "update_norm"]
+__all__ = [
+    "AdaptiveClipping",
+    "ClientLevelDP",
+    "PrivacyBudgetExhausted",
+    "SampleLevelBudget",
+    "adaptive_noise_multiplier",
+    "clip_update",
+    "strip_module_prefix",
+    "train_dp_sgd",
+    "update_norm",
+]
 
 
 def update_norm(tensors: Mapping[str, np.ndarray]) -> float:
@@ -221,6 +230,7 @@ def train_dp_sgd(
     history: list[tuple[float, float, int]],
     delta: float,
     seed: int,
+    target_epsilon: float = 0.0,
 ) -> tuple[float, list[tuple[float, float, int]], float]:
     """DP-SGD with Opacus on one client's data; the accountant carries on from ``history``.
 
@@ -235,12 +245,26 @@ def train_dp_sgd(
     Returns
     -------
     (mean loss, the accountant's new history, epsilon at ``delta`` so far)
+
+    Raises
+    ------
+    PrivacyBudgetExhausted
+        If ``target_epsilon`` > 0 and this round would take epsilon past it; the
+        model is left untouched.
     """
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
 
     if len(y) == 0:
         return float("nan"), list(history), _epsilon(history, delta)
+    batches = math.ceil(len(y) / min(batch_size, len(y)))
+    planned = steps if steps > 0 else epochs * batches
+    if target_epsilon > 0:
+        after = _epsilon([*history, (noise_multiplier, 1 / batches, planned)], delta)
+        if after > target_epsilon:
+            raise PrivacyBudgetExhausted(
+                f"this round of DP-SGD would take epsilon to {after:.3f}, above "
+                f"dp-target-epsilon {target_epsilon}: not training")
     torch_gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(TensorDataset(torch.from_numpy(x), torch.from_numpy(y)),
                         batch_size=min(batch_size, len(y)), generator=torch_gen)
@@ -287,3 +311,42 @@ def _epsilon(history: list[tuple[float, float, int]], delta: float) -> float:
     accountant = RDPAccountant()
     accountant.history = list(history)
     return float(accountant.get_epsilon(delta=delta))
+
+
+class PrivacyBudgetExhausted(RuntimeError):
+    """Raised by a client whose next round of DP-SGD would exceed ``dp-target-epsilon``."""
+
+
+@dataclass
+class SampleLevelBudget:
+    """The server's view of every client's DP-SGD spending (``dp = "sample"``).
+
+    Each client reports its sampling rate and the steps it took in a round; the server
+    replays them in its own RDP accountants, one per client, so that it can stop the
+    run before a round that would take any known client past ``target_epsilon`` (the
+    clients also refuse such a round themselves).
+    """
+
+    noise_multiplier: float
+    delta: float
+    target_epsilon: float = 0.0
+    spent: dict[int, tuple[float, int, int]] = field(default_factory=dict)
+
+    def record(self, client: int, sample_rate: float, steps: int) -> None:
+        """Client ``client`` took ``steps`` steps at ``sample_rate`` this round."""
+        _, total, _ = self.spent.get(client, (sample_rate, 0, 0))
+        self.spent[client] = (sample_rate, total + steps, steps)
+
+    def epsilon_after_next_round(self) -> float:
+        """The largest epsilon any known client would reach after one more round."""
+        return max((_epsilon([(self.noise_multiplier, q, total + last)], self.delta)
+                    for q, total, last in self.spent.values()), default=0.0)
+
+    def would_exceed(self) -> bool:
+        return self.target_epsilon > 0 and self.epsilon_after_next_round() > self.target_epsilon
+
+    def state(self) -> dict[str, list[float]]:
+        return {str(k): [q, total, last] for k, (q, total, last) in self.spent.items()}
+
+    def restore(self, state: dict[str, list[float]]) -> None:
+        self.spent = {int(k): (float(q), int(t), int(n)) for k, (q, t, n) in state.items()}

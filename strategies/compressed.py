@@ -41,7 +41,12 @@ from fedcomp.aggregation import ClientReply, aggregate_deltas
 from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, model_digest
 from fedcomp.flower import downlink_to_record, payload_from_record
-from fedcomp.privacy import AdaptiveClipping, ClientLevelDP, adaptive_noise_multiplier
+from fedcomp.privacy import (
+    AdaptiveClipping,
+    ClientLevelDP,
+    SampleLevelBudget,
+    adaptive_noise_multiplier,
+)
 from fedcomp.results import RoundRecord
 from fedcomp.server_opt import ServerOptimizer
 
@@ -103,8 +108,11 @@ class CompressedFedAvg(FedAvg):
             self.dp.update_noise_multiplier = adaptive_noise_multiplier(
                 cfg.dp_noise_multiplier, count_stddev)
         self.dp_rng = np.random.default_rng([cfg.seed, 0xD9])
-        #: dp = "sample": the largest cumulative epsilon any client reported.
+        #: dp = "sample": the largest cumulative epsilon any client reported, and
+        #: every client's spending replayed, to stop before dp-target-epsilon.
         self.sample_epsilon = 0.0
+        self.sample_budget = SampleLevelBudget(cfg.dp_noise_multiplier, cfg.dp_delta,
+                                               cfg.dp_target_epsilon)
         #: Why training stopped before the last round (a privacy budget), if it did.
         self.stopped: str | None = None
         self._sample_rate = 1.0
@@ -146,6 +154,13 @@ class CompressedFedAvg(FedAvg):
         if self.dp is not None and self.dp.would_exceed(self._sample_rate):
             self.stopped = (f"stopped before round {server_round}: it would take epsilon to "
                             f"{self.dp.epsilon_after(self._sample_rate):.3f}, above "
+                            f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
+            log.warning("privacy budget: %s", self.stopped)
+            return []
+        if self.cfg.dp == "sample" and self.sample_budget.would_exceed():
+            self.stopped = (f"stopped before round {server_round}: it would take a client's "
+                            f"DP-SGD epsilon to "
+                            f"{self.sample_budget.epsilon_after_next_round():.3f}, above "
                             f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
             log.warning("privacy budget: %s", self.stopped)
             return []
@@ -239,6 +254,11 @@ class CompressedFedAvg(FedAvg):
             stats.record.epsilon = max((float(m.get("epsilon", 0.0))
                                         for m in stats.client_metrics.values()), default=0.0)
             self.sample_epsilon = max(self.sample_epsilon, stats.record.epsilon)
+            for metrics in stats.client_metrics.values():
+                if "dp-steps" in metrics:
+                    self.sample_budget.record(int(metrics.get("partition-id", 0)),
+                                              float(metrics["dp-sample-rate"]),
+                                              int(metrics["dp-steps"]))
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
         stats.record.clients_ok = len(result.accepted)
@@ -275,6 +295,7 @@ class CompressedFedAvg(FedAvg):
                 "dp_history": self.dp.state() if self.dp else [],
                 "dp_clip": self.dp.clip_norm if self.dp else None,
                 "sample_epsilon": self.sample_epsilon,
+                "sample_budget": self.sample_budget.state(),
                 "stopped": self.stopped}
         return arrays, meta
 
@@ -298,6 +319,7 @@ class CompressedFedAvg(FedAvg):
             self.dp.restore(meta["dp_history"])
             self.dp.clip_norm = float(meta["dp_clip"])
         self.sample_epsilon = float(meta.get("sample_epsilon", 0.0))
+        self.sample_budget.restore(meta.get("sample_budget", {}))
         self.stopped = meta.get("stopped")
 
     def current_arrays(self) -> ArrayRecord:

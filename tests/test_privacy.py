@@ -240,3 +240,47 @@ def test_each_dp_mode_completes_two_compressed_rounds(tmp_path, mode):
         with open(tmp_path / mode / "clients.csv") as handle:
             clients = list(csv.DictReader(handle))
         assert len(clients) == 6
+        # With a target just above round 1's epsilon, the server stops before round 2.
+        tight, _ = simulate(cfg.replace(run_name="tight", num_server_rounds=3,
+                                        dp_target_epsilon=epsilons[0] * 1.01),
+                            num_supernodes=3)
+        assert tight["rounds_completed"] == 1
+        assert "stopped before round 2" in tight["stopped_early"]
+        assert tight["epsilon"] <= epsilons[0] * 1.01
+
+
+def test_dp_sgd_refuses_a_round_that_would_exceed_the_target_and_leaves_the_model():
+    from fedcomp.models import build_model
+    from fedcomp.privacy import PrivacyBudgetExhausted, train_dp_sgd
+    from fedcomp.training import state_arrays
+
+    x, y = _digits_slice()
+    kwargs = dict(epochs=1, steps=0, batch_size=16, lr=0.05, momentum=0.0,
+                  noise_multiplier=1.0, max_grad_norm=1.0, delta=1e-5, seed=0)
+    _, history, eps = train_dp_sgd(build_model("digits", seed=0), x, y, history=[], **kwargs)
+    model = build_model("digits", seed=0)
+    before = state_arrays(model)
+    with pytest.raises(PrivacyBudgetExhausted, match="dp-target-epsilon"):
+        train_dp_sgd(model, x, y, history=history, target_epsilon=eps * 1.01, **kwargs)
+    assert all(np.array_equal(before[k], v) for k, v in state_arrays(model).items())
+    # A target the next round fits under is fine.
+    train_dp_sgd(model, x, y, history=history, target_epsilon=eps * 3, **kwargs)
+
+
+def test_the_server_predicts_each_clients_dp_sgd_epsilon_from_their_reports():
+    from fedcomp.privacy import SampleLevelBudget
+
+    budget = SampleLevelBudget(noise_multiplier=1.1, delta=1e-5, target_epsilon=5.0)
+    assert not budget.would_exceed()  # nothing spent yet
+    budget.record(0, 0.25, 8)
+    budget.record(1, 0.1, 20)
+    budget.record(0, 0.25, 8)
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=0.25, noise_multiplier=1.1, steps=24, orders=orders)
+    expected, _ = get_privacy_spent(orders=orders, rdp=rdp, delta=1e-5)
+    # Client 0 (q = 0.25, 16 steps so far, 8 a round) is the most exposed.
+    assert budget.epsilon_after_next_round() == pytest.approx(expected, rel=0.01)
+    assert budget.would_exceed() == (expected > 5.0)
+    restored = SampleLevelBudget(1.1, 1e-5, 5.0)
+    restored.restore(budget.state())
+    assert restored.spent == budget.spent
