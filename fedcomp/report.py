@@ -157,10 +157,12 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
         ("accuracy_vs_round.png", "round", "round", False),
     ):
         fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
-        for m in methods:
+        for index, m in enumerate(methods):
             length = min(len(r.rounds) for r in m.runs)
             if length == 0:
                 continue
+            # Ten colours, then the same colours dashed, then dotted: no two alike.
+            style = {"color": f"C{index % 10}", "ls": ("-", "--", ":")[index // 10 % 3]}
             # Rounds without an evaluation (eval-every > 1) have no accuracy: skip them.
             evaluated = [i for i in range(length)
                          if all(math.isfinite(r.rounds[i]["accuracy"]) for r in m.runs)]
@@ -170,7 +172,8 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
             accs = [[r.rounds[i]["accuracy"] for r in m.runs] for i in evaluated]
             if not evaluated:
                 continue
-            line, = ax.plot(xs, [statistics.mean(a) for a in accs], label=m.method, lw=1.5)
+            line, = ax.plot(xs, [statistics.mean(a) for a in accs], label=m.method, lw=1.5,
+                            **style)
             if len(m.runs) > 1:
                 ax.fill_between(xs, [min(a) for a in accs], [max(a) for a in accs],
                                 color=line.get_color(), alpha=0.15)
