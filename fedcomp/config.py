@@ -200,9 +200,16 @@ class RunConfig:
         return out
 
     def digest(self) -> str:
-        """A short stable hash of everything that shapes the run's results."""
+        """A short stable hash of everything that shapes the run's results.
+
+        Only settings that differ from their defaults enter it, so a new setting
+        added later (with a default that keeps the old behaviour) leaves the ids of
+        completed sweep runs and the checkpoints of old runs valid.
+        """
+        defaults = RunConfig().to_mapping()
         settings = {k: v for k, v in self.to_mapping().items()
-                    if k not in ("run-name", "results-dir", "resume", "checkpoint")}
+                    if k not in ("run-name", "results-dir", "resume", "checkpoint")
+                    and v != defaults[k]}
         blob = json.dumps(settings, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 

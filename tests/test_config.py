@@ -48,4 +48,9 @@ def test_integers_are_accepted_for_float_keys_and_the_digest_ignores_output_path
     a = RunConfig(results_dir="a", run_name="x")
     assert a.digest() == RunConfig(results_dir="b").digest()
     assert a.digest() != RunConfig(seed=1).digest()
+    # Only non-default settings count, so adding a setting later keeps old ids valid.
+    import hashlib
+    import json
+    expected = hashlib.sha256(json.dumps({"seed": 1}).encode()).hexdigest()[:10]
+    assert RunConfig(seed=1, results_dir="x").digest() == expected
     assert RunConfig().resolved_run_name.startswith("digits-")
