@@ -23,10 +23,12 @@ import csv
 import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,9 +54,6 @@ class CountingProxy:
     """
 
     def __init__(self, target: tuple[str, int]) -> None:
-        import socket
-        import threading
-
         self.target = target
         self.up = 0    # node -> SuperLink
         self.down = 0  # SuperLink -> node
@@ -64,9 +63,6 @@ class CountingProxy:
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
-        import socket
-        import threading
-
         while True:
             try:
                 client, _ = self.server.accept()

@@ -39,9 +39,10 @@ COMPRESSED = "topk:ratio=0.01|quant:bits=4"
 def noise_for(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
-                                      sample_rate=sample_rate, steps=steps,
-                                      accountant="rdp", epsilon_tolerance=0.005))
+    sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
+                                 sample_rate=sample_rate, steps=steps, accountant="rdp",
+                                 epsilon_tolerance=0.005)
+    return math.ceil(sigma * 1e4) / 1e4  # rounded up: never above the target epsilon
 
 
 def build_sweep(base: dict, epsilons: list[float], clients: int) -> Sweep:
@@ -67,14 +68,14 @@ def build_sweep(base: dict, epsilons: list[float], clients: int) -> Sweep:
         for label, codec, feedback in (("Top-1% + 4-bit", COMPRESSED, "ef"),
                                        ("fp32", "none", "none")):
             methods.append({"name": f"client-level eps={eps:g}, {label}", "dp": "client",
-                            "dp-noise-multiplier": math.ceil(client_sigma * 1e4) / 1e4,
+                            "dp-noise-multiplier": client_sigma,
                             "codec": codec, "feedback": feedback})
             methods.append({"name": f"sample-level eps={eps:g}, {label}", "dp": "sample",
-                            "dp-noise-multiplier": math.ceil(sample_sigma * 1e4) / 1e4,
+                            "dp-noise-multiplier": sample_sigma,
                             "codec": codec, "feedback": feedback})
         # Dense 8-bit quantization: compression that keeps every (noisy) coordinate.
         methods.append({"name": f"sample-level eps={eps:g}, 8-bit", "dp": "sample",
-                        "dp-noise-multiplier": math.ceil(sample_sigma * 1e4) / 1e4,
+                        "dp-noise-multiplier": sample_sigma,
                         "codec": "quant:bits=8", "feedback": "ef"})
     print(f"{clients} clients, {per_round} per round, {rounds} rounds; smallest client "
           f"{smallest} examples ({batches} batches): DP-SGD q = {sample_q:.3f}, "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -51,8 +50,9 @@ def flower_env(project: Path) -> dict[str, str]:
 
 
 def _flwr() -> str:
-    candidate = Path(sys.executable).with_name("flwr")
-    return str(candidate) if candidate.exists() else (shutil.which("flwr") or "flwr")
+    from fedcomp.deploy import flower_tool
+
+    return flower_tool("flwr")
 
 
 def _run_json(args: list[str], env: dict[str, str]) -> dict:

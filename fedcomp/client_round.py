@@ -174,15 +174,17 @@ def run_client_round(
     """
     torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
     shapes = model_shapes(cfg.dataset)
+    # Built once: its round-0 weights seed an empty replica (shared-init), then it
+    # takes the replica's weights for training.
+    model = build_model(cfg.dataset, seed=cfg.seed)
     sync_start = time.perf_counter()
-    initial = (state_arrays(build_model(cfg.dataset, seed=cfg.seed))
+    initial = (state_arrays(model)
                if state.replica.model is None and cfg.shared_init else None)
     state.replica.apply(message, shapes, cfg.downlink_policy, initial)
     sync_s = time.perf_counter() - sync_start
     assert state.replica.model is not None
     replica_digest = model_digest(state.replica.model)
 
-    model = build_model(cfg.dataset, seed=cfg.seed)
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.replica.model.items()})
     start = time.perf_counter()
     train_seed = client_seed * 100_003 + server_round

@@ -32,6 +32,7 @@ from pathlib import Path
 
 __all__ = [
     "Certificates",
+    "flower_tool",
     "make_certificates",
     "superlink_argv",
     "supernode_argv",
@@ -166,7 +167,7 @@ def make_certificates(folder: str | Path, *, hosts: Sequence[str] = ("localhost"
     return certs
 
 
-def _tool(name: str) -> str:
+def flower_tool(name: str) -> str:
     """A Flower command from the same environment as this Python (the project's venv)."""
     candidate = Path(sys.executable).with_name(name)
     return str(candidate) if candidate.exists() else name
@@ -179,7 +180,7 @@ def superlink_argv(certs: Certificates | None, *, host: str = "127.0.0.1", port:
     ``database`` keeps the SuperLink's state (runs, registered nodes) in a file so that
     a restarted SuperLink still knows them; without it the state is in memory.
     """
-    argv = [_tool("flower-superlink"), "--host", host, "--port", str(port)]
+    argv = [flower_tool("flower-superlink"), "--host", host, "--port", str(port)]
     if certs is None:
         argv.append("--insecure")
     else:
@@ -212,7 +213,7 @@ def supernode_argv(certs: Certificates | None, node: int, *, superlink: str,
             node_config.append(f'{key}="{text}"')
     if log_message_size:
         node_config.append("log-message-size=true")
-    argv = [_tool("flower-supernode"), "--superlink", superlink, "--port", str(port),
+    argv = [flower_tool("flower-supernode"), "--superlink", superlink, "--port", str(port),
             "--node-config", " ".join(node_config)]
     if certs is None:
         argv.append("--insecure")
@@ -347,8 +348,7 @@ class Loopback:
     def register(self, node: int) -> None:
         """``flwr supernode register``: admit a node's public key."""
         assert self.certs is not None
-        flwr = str(Path(sys.executable).with_name("flwr"))
-        proc = subprocess.run([flwr, "supernode", "register",
+        proc = subprocess.run([flower_tool("flwr"), "supernode", "register",
                                str(self.certs.node_public_key(node)), self.connection],
                               env=self.env, capture_output=True, text=True, check=False,
                               cwd=self.workdir)

@@ -108,15 +108,12 @@ class ClientLevelDP:
 
     def epsilon(self) -> float:
         """Epsilon at ``delta`` for all rounds recorded so far (0 before any)."""
-        if not self.accountant.history:
-            return 0.0
-        return float(self.accountant.get_epsilon(delta=self.delta))
+        return _epsilon(self.accountant.history, self.delta)
 
     def epsilon_after(self, sample_rate: float, rounds: int = 1) -> float:
         """Epsilon if ``rounds`` more rounds at ``sample_rate`` were run."""
-        trial = RDPAccountant()
-        trial.history = [*self.accountant.history, (self.noise_multiplier, sample_rate, rounds)]
-        return float(trial.get_epsilon(delta=self.delta))
+        return _epsilon([*self.accountant.history,
+                         (self.noise_multiplier, sample_rate, rounds)], self.delta)
 
     def would_exceed(self, sample_rate: float) -> bool:
         """Whether one more round would take epsilon past the target."""
