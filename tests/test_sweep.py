@@ -71,7 +71,7 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
         Sweep(base={"codecs": "sign"}, grid={})
     with pytest.raises(SpecError, match="set by the sweep itself"):
         Sweep(base={"run-name": "x"}, grid={})
-    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 24  # 12 x 2
+    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 28  # 14 x 2
 
 
 def test_an_interrupted_sweep_reruns_only_the_missing_runs(tmp_path):
@@ -154,3 +154,37 @@ def test_smoke_sweep_through_the_command_line(tmp_path):
     assert (out / "accuracy_vs_uplink.png").exists() and (out / "accuracy_vs_round.png").exists()
     # A second sweep over the same folder has nothing left to do.
     assert main(["sweep", str(ROOT / "experiments/sweeps/smoke.toml"), "--out", str(out)]) == 0
+
+
+def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
+    """An uncompressed run with another server optimizer is a method, not the baseline."""
+    acc = {"none": [0.5, 0.8, 0.9], "sign": [0.3, 0.6, 0.85]}
+    sweep = Sweep(base={"num-server-rounds": 3, "seed": 0}, grid={},
+                  methods=[{"name": "FedAvg", "codec": "none"},
+                           {"name": "FedAdam", "codec": "none", "server-optimizer": "adam",
+                            "server-lr": 0.01},
+                           {"name": "sign", "codec": "sign"}])
+
+    def runner(cfg: RunConfig, num_supernodes: int) -> dict:
+        recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
+                               model_bytes=1000, num_rounds=3, verbose=False)
+        # FedAdam is better than FedAvg: were it a baseline, the target would rise and
+        # the factors would be taken against its bytes.
+        curve = [0.85, 0.95, 0.99] if cfg.server_optimizer == "adam" else acc[cfg.codec]
+        for rnd, a in enumerate(curve, 1):
+            recorder.record(RoundRecord(rnd, accuracy=a, clients_ok=1,
+                                        uplink_bytes=1000 if cfg.codec == "none" else 50,
+                                        downlink_bytes=1000))
+        return recorder.finish()
+
+    run_sweep(sweep, tmp_path, runner, log=lambda _: None)
+    target, _ = build_report(load_runs(tmp_path))
+    assert target == pytest.approx(0.9 - 0.01)
+    table, _ = write_report(tmp_path, target=0.8)
+    rows = {line.split("|")[1].strip(): line.split("|") for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| method")}
+    assert rows["FedAvg"][7].strip() == "1.0"
+    # To 0.8 FedAvg needs 2 rounds (2000 bytes), FedAdam 1 (1000: 2.0x) and sign 3
+    # (150 bytes): 13.3x against FedAvg; against FedAdam it would read 6.7x.
+    assert rows["FedAdam"][7].strip() == "2.0"
+    assert rows["sign"][7].strip() == "13.3"
