@@ -2,7 +2,7 @@
 
     fedcomp simulate [--num-supernodes 10] [--run-config "key=value ..."]
     fedcomp sweep experiments/sweeps/smoke.toml --out results/smoke
-    fedcomp report results/smoke [--target 0.9]
+    fedcomp report results/smoke [--target 0.9] [--extra-target 0.8 ...]
     fedcomp deploy certs|connection|superlink|register|supernode|run ...
 
 ``simulate`` wraps Flower's own CLI (``flwr run . local``), because that is the path
@@ -195,7 +195,7 @@ def sweep(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from fedcomp.report import write_report
 
-    table, paths = write_report(args.dir, args.target)
+    table, paths = write_report(args.dir, args.target, args.extra_target)
     print(table)
     print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
     return 0
@@ -221,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     rep = commands.add_parser("report", help="table and plots of a sweep folder")
     rep.add_argument("dir", help="a folder written by fedcomp sweep")
     rep.add_argument("--target", type=float, default=None,
-                     help="target accuracy (default: best of codec=none runs - 0.01)")
+                     help="target accuracy for the plots and the first table (default: plain "
+                          "FedAvg's mean best accuracy - 0.01)")
+    rep.add_argument("--extra-target", type=float, action="append", default=[],
+                     metavar="ACC", help="one more bytes-to-target table (repeatable)")
     rep.set_defaults(handler=report)
     _add_deploy_parser(commands)
     args = parser.parse_args(argv)

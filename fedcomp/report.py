@@ -9,7 +9,11 @@ groups runs into *methods* (all grid values but the seed), and writes:
 * ``report.md`` and a printed table: for a target accuracy (by default the best
   accuracy of the plain FedAvg runs minus one point), the cumulative uplink and
   total bytes at the first round each method reaches it, and the factor against
-  plain FedAvg. Means and spread (min-max) over seeds.
+  plain FedAvg. Means and spread (min-max) over seeds. More targets can be added
+  (``--extra-target``): one tool writes every table of ``experiments/RESULTS.md``;
+* a whole-run table: final and best accuracy, and bytes per round, uplink and total,
+  with their factor against plain FedAvg (the per-round compression, which a
+  bytes-to-target factor divides by the ratio of rounds each method needed).
 
 *Plain FedAvg* means ``codec = "none"`` with the FedAvg server rule (``sgd`` at
 ``server-lr = 1``). An uncompressed run with another server optimizer (FedAdam as a
@@ -23,13 +27,22 @@ import csv
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MethodResult", "RunResult", "build_report", "bytes_to_target", "is_plain_fedavg",
-           "load_runs",
-           "plot_runs", "write_report"]
+__all__ = [
+    "MethodResult",
+    "RunResult",
+    "build_report",
+    "bytes_to_target",
+    "format_whole_runs",
+    "is_plain_fedavg",
+    "load_runs",
+    "plot_runs",
+    "write_report",
+]
 
 
 @dataclass
@@ -161,6 +174,41 @@ def format_table(target: float, methods: list[MethodResult]) -> str:
     return "\n".join(lines)
 
 
+def format_whole_runs(methods: list[MethodResult]) -> str:
+    """A markdown table of whole runs: accuracy and bytes per round against plain FedAvg.
+
+    Bytes per round (rather than per run) keep runs of different lengths comparable.
+    """
+    def per_round(run: RunResult, key: str) -> float:
+        completed = [r for r in run.rounds if math.isfinite(r[key])]
+        return completed[-1][key] / len(completed) if completed else math.nan
+
+    def mean_per_round(m: MethodResult, keys: tuple[str, ...]) -> float:
+        return statistics.mean(sum(per_round(r, k) for k in keys) for r in m.runs)
+
+    up_keys, total_keys = ("cum_uplink_bytes",), ("cum_uplink_bytes", "cum_downlink_bytes")
+    reference = next((m for m in methods if is_plain_fedavg(m.runs[0].summary["config"])),
+                     None)
+    ref_up = mean_per_round(reference, up_keys) if reference else None
+    ref_total = mean_per_round(reference, total_keys) if reference else None
+    lines = [
+        "| method | seeds | rounds | final acc | best acc | uplink kB/round | "
+        "total kB/round | uplink x | total x |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for m in methods:
+        up, total = mean_per_round(m, up_keys), mean_per_round(m, total_keys)
+        final = statistics.mean(math.nan if r.summary["final_accuracy"] is None
+                                else r.summary["final_accuracy"] for r in m.runs)
+        rounds = statistics.mean(len(r.rounds) for r in m.runs)
+        lines.append(
+            f"| {m.method} | {len(m.runs)} | {rounds:.0f} | {final:.4f} | "
+            f"{statistics.mean(m.best_accuracy):.4f} | {up / 1e3:,.1f} | {total / 1e3:,.1f} | "
+            f"{'-' if not ref_up or not up else f'{ref_up / up:,.0f}'} | "
+            f"{'-' if not ref_total or not total else f'{ref_total / total:,.1f}'} |")
+    return "\n".join(lines)
+
+
 def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list[Path]:
     """Write the two PNG plots; return their paths."""
     import matplotlib
@@ -209,11 +257,22 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
     return paths
 
 
-def write_report(out_dir: str | Path, target: float | None = None) -> tuple[str, list[Path]]:
-    """Build the report of a sweep folder; write report.md and the plots."""
+def write_report(out_dir: str | Path, target: float | None = None,
+                 extra_targets: Sequence[float] = ()) -> tuple[str, list[Path]]:
+    """Build the report of a sweep folder; write report.md and the plots.
+
+    ``target`` (default: plain FedAvg's mean best accuracy minus one point) draws the
+    line in the plots; each of ``extra_targets`` adds one more bytes-to-target table.
+    """
     out = Path(out_dir)
-    target, methods = build_report(load_runs(out), target)
-    table = format_table(target, methods)
+    runs = load_runs(out)
+    target, methods = build_report(runs, target)
+    tables = [format_table(target, methods)]
+    for extra in extra_targets:
+        tables.append(format_table(*build_report(runs, extra)))
+    tables.append("Whole runs: accuracy, and bytes per round against plain FedAvg.\n\n"
+                  + format_whole_runs(methods))
+    table = "\n\n".join(tables)
     paths = plot_runs(methods, out, target)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(
         f"![{p.stem}]({p.name})" for p in paths) + "\n")

@@ -181,10 +181,30 @@ def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
     target, _ = build_report(load_runs(tmp_path))
     assert target == pytest.approx(0.9 - 0.01)
     table, _ = write_report(tmp_path, target=0.8)
-    rows = {line.split("|")[1].strip(): line.split("|") for line in table.splitlines()
+    first_table = table[:table.index("Whole runs")]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in first_table.splitlines()
             if line.startswith("| ") and not line.startswith("| method")}
     assert rows["FedAvg"][7].strip() == "1.0"
     # To 0.8 FedAvg needs 2 rounds (2000 bytes), FedAdam 1 (1000: 2.0x) and sign 3
     # (150 bytes): 13.3x against FedAvg; against FedAdam it would read 6.7x.
     assert rows["FedAdam"][7].strip() == "2.0"
     assert rows["sign"][7].strip() == "13.3"
+
+
+def test_report_adds_tables_for_extra_targets_and_a_whole_run_table(tmp_path):
+    run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)
+    table, _ = write_report(tmp_path, extra_targets=[0.8, 0.5])
+    targets = [line.split(".", 1)[0] + "." + line.split(".")[1][:4]
+               for line in table.splitlines() if line.startswith("Target accuracy")]
+    # The default target (0.9005 - 0.01) first, then the extra ones in order.
+    assert targets == ["Target accuracy: 0.8905", "Target accuracy: 0.8000",
+                       "Target accuracy: 0.5000"]
+    whole = table[table.index("Whole runs"):]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in whole.splitlines() if line.startswith("| codec=")}
+    # codec=none: 1000 uplink + 1000 downlink bytes per round; sign 50 + 1000.
+    assert rows["codec=none"][4:] == ["1.0", "2.0", "1", "1.0"]
+    assert rows["codec=sign"][4:] == ["0.1", "1.1", "20", "1.9"]
+    # final accuracy: mean of the seeds' last evaluation (0.85 and 0.851)
+    assert rows["codec=sign"][:4] == ["2", "3", "0.8505", "0.8505"]
+    assert (tmp_path / "report.md").read_text().count("| codec=sign |") == 4
