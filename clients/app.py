@@ -45,6 +45,14 @@ def _message_size(msg: Message, context: Context, call_next):
 app = ClientApp(mods=[_message_size])
 
 
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server which data partition this node holds: it samples by partition."""
+    partition_id = int(context.node_config["partition-id"])
+    return Message(content=RecordDict({"node": MetricRecord({"partition-id": partition_id})}),
+                   reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     settings = dict(msg.content["config"])

@@ -7,7 +7,9 @@ differ for compressed updates:
 * ``configure_train``: each sampled node gets its own downlink message: the full
   model, or only the compressed updates it missed (:class:`fedcomp.downlink.Broadcaster`).
   Nodes are sampled with the run's seeded generator rather than FedAvg's
-  ``random.sample`` on the global RNG, so a run is reproducible from its seed.
+  ``random.sample`` on the global RNG, in the order of the data partitions they
+  hold (asked once per node with a ``query`` message: Flower's node ids are random
+  in every run), so the same seed trains the same clients (:mod:`fedcomp.sampling`).
 * ``aggregate_train``: every reply is decoded strictly; a bad one is rejected with
   its reason and the round goes on (:func:`fedcomp.aggregation.aggregate_deltas`).
   The example-weighted mean delta goes through the server optimizer
@@ -48,6 +50,7 @@ from fedcomp.privacy import (
     adaptive_noise_multiplier,
 )
 from fedcomp.results import RoundRecord
+from fedcomp.sampling import parse_partition_id, sample_nodes
 from fedcomp.server_opt import ServerOptimizer
 
 __all__ = ["CompressedFedAvg", "RoundStats"]
@@ -90,6 +93,8 @@ class CompressedFedAvg(FedAvg):
         self.rng = np.random.default_rng([cfg.seed, 0x5A])
         #: The round each node's replica is known to be at (a lower bound).
         self.node_rounds: dict[int, int] = {}
+        #: The data partition each node said it holds (orders the sampling).
+        self.partition_of: dict[int, int] = {}
         self.stats: dict[int, RoundStats] = {}
         self._sent: dict[int, int] = {}
         #: Rounds completed before this process started (resumed runs): Flower counts
@@ -136,12 +141,31 @@ class CompressedFedAvg(FedAvg):
         while len(nodes := sorted(grid.get_node_ids())) < minimum:
             log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
             time.sleep(1)
-        if wanted == 0 or wanted >= len(nodes):
-            return nodes
-        # Sample positions, not ids: node ids are uint64 and numpy would round them
-        # through float64 when they straddle 2**63.
-        chosen = self.rng.choice(len(nodes), size=wanted, replace=False)
-        return [nodes[i] for i in sorted(chosen)]
+        if 0 < wanted < len(nodes):  # everyone trains otherwise: no order needed
+            self._learn_partitions(grid, [n for n in nodes if n not in self.partition_of])
+        return sample_nodes(self.rng, nodes, self.partition_of, wanted)
+
+    def _learn_partitions(self, grid: Grid, nodes: list[int]) -> None:
+        """Ask nodes not seen before which partition they hold (a few bytes each, once)."""
+        if not nodes:
+            return
+        question = RecordDict({"config": ConfigRecord({"ask": "partition-id"})})
+        messages = [Message(content=question, message_type=MessageType.QUERY, dst_node_id=n)
+                    for n in nodes]
+        for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ValueError(reply.error.reason)
+                self.partition_of[node] = parse_partition_id(
+                    reply.content["node"]["partition-id"])
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("node %s did not tell its partition (%s): it is sampled after "
+                            "the others, by node id", node, exc)
+        missing = len([n for n in nodes if n not in self.partition_of])
+        if missing:
+            log.warning("%d of %d nodes have no known partition; sampling them is not "
+                        "reproducible across runs", missing, len(nodes))
 
     # ------------------------------------------------------------------ training
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,

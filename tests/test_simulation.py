@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 def simulate(cfg: RunConfig, num_supernodes: int, corrupt_partition: int | None = None):
     """Run a simulation, optionally with one client flipping a bit of its payload."""
     client = ClientApp()
+    client.query()(client_module.query)
 
     @client.train()
     def _train(msg: Message, context: Context) -> Message:
@@ -87,6 +88,21 @@ def test_compressed_run_counts_bytes_uses_feedback_rejects_corruption_and_syncs_
     assert summary["replica_checks"] >= 8 and summary["replica_mismatches"] == 0
     # Partial participation: someone caught up on missed compressed updates.
     assert rows[-1]["cum_downlink_bytes"] > rows[0]["downlink_bytes"]
+
+
+def test_the_same_seed_trains_the_same_partitions_in_every_round(tmp_path):
+    """Flower's node ids are random per run; the clients drawn must not be."""
+    drawn = []
+    for attempt in range(2):
+        cfg = RunConfig(num_server_rounds=3, clients_per_round=2, local_steps=2,
+                        local_epochs=0, results_dir=str(tmp_path), run_name=f"r{attempt}",
+                        seed=5)
+        _, strategy = simulate(cfg, num_supernodes=6)
+        drawn.append([sorted(int(m["partition-id"]) for m in strategy.stats[r]
+                             .client_metrics.values()) for r in sorted(strategy.stats)])
+        assert sorted(strategy.partition_of.values()) == list(range(6))
+    assert drawn[0] == drawn[1] and len(drawn[0]) == 3
+    assert all(len(partitions) == 2 for partitions in drawn[0])
 
 
 def test_top1_4bit_sends_at_least_50x_fewer_uplink_bytes_than_fp32(tmp_path):
