@@ -71,7 +71,7 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
         Sweep(base={"codecs": "sign"}, grid={})
     with pytest.raises(SpecError, match="set by the sweep itself"):
         Sweep(base={"run-name": "x"}, grid={})
-    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 28  # 14 x 2
+    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 30  # 15 x 2
 
 
 def test_an_interrupted_sweep_reruns_only_the_missing_runs(tmp_path):
