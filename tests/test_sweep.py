@@ -208,3 +208,12 @@ def test_report_adds_tables_for_extra_targets_and_a_whole_run_table(tmp_path):
     # final accuracy: mean of the seeds' last evaluation (0.85 and 0.851)
     assert rows["codec=sign"][:4] == ["2", "3", "0.8505", "0.8505"]
     assert (tmp_path / "report.md").read_text().count("| codec=sign |") == 4
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "experiments/sweeps").glob("*.toml")),
+                         ids=lambda p: p.name)
+def test_every_committed_sweep_file_loads_with_valid_configs(path):
+    """A sweep file that no longer parses (a renamed key, a bad codec) fails here, not
+    an hour into a sweep."""
+    sweep = Sweep.load(path)
+    assert sweep.runs and len({r.run_id for r in sweep.runs}) == len(sweep.runs)
