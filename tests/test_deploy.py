@@ -135,12 +135,14 @@ def test_tls_deployment_with_node_auth_survives_a_supernode_restart(tmp_path):
     assert summary["rounds_completed"] == 3
     assert summary["replica_mismatches"] == 0
     clients = _read_csv(results / "loopback" / "clients.csv")
-    restarted = [row for row in clients
-                 if float(row["partition-id"]) == 0 and int(row["round"]) >= 2]
-    assert restarted, "node 0 never took part again after its restart"
-    first = restarted[0]
-    assert float(first["state-from-file"]) == 1.0
-    assert float(first["residual-norm-in"]) > 0.0
+    later = [row for row in clients
+             if float(row["partition-id"]) == 0 and int(row["round"]) >= 2]
+    # Node 0 may answer round 2 from memory before the kill lands (the round is a few
+    # seconds long), so the reply after the restart is the one read from the file:
+    # exactly one, and no reply after round 1 ever starts afresh (zero residual).
+    from_file = [row for row in later if float(row["state-from-file"]) == 1.0]
+    assert len(from_file) == 1, f"node 0's replies after round 1: {later}"
+    assert all(float(row["residual-norm-in"]) > 0.0 for row in later), later
     # The other node kept its state in the SuperNode's memory all along.
     assert all(float(row["state-from-file"]) == 0.0 for row in clients
                if float(row["partition-id"]) == 1)
