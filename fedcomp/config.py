@@ -27,7 +27,9 @@ __all__ = ["RunConfig", "config_key"]
 _CHOICES = {
     "dataset": ("digits", "fashion-mnist"),
     "partitioning": ("iid", "dirichlet", "pathological"),
-    "feedback": ("ef", "ef21", "none"),
+    # EF21 (fedcomp.feedback.EF21) stays a library memory: a run would need the
+    # server to keep every client's estimate and aggregate estimates, not updates.
+    "feedback": ("ef", "none"),
     "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
     "norm_action": ("reject", "clip"),
     "dp": ("none", "client", "sample"),
@@ -111,6 +113,11 @@ class RunConfig:
             elif type(value) is not expected:
                 raise SpecError(f"run config {config_key(f.name)!r} must be "
                                 f"{expected.__name__}, got {value!r}")
+        if self.feedback == "ef21":
+            raise SpecError("run config 'feedback' = 'ef21' is not supported in a run: the "
+                            "server would have to keep each client's EF21 estimate and "
+                            "aggregate estimates, and it aggregates updates; use 'ef' or "
+                            "'none'")
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise SpecError(f"run config {config_key(name)!r} must be one of "

@@ -36,6 +36,7 @@ def test_round_trip_through_kebab_case_keys():
         ({"local-epochs": 0, "local-steps": 0}, "local-epochs > 0 or local-steps > 0"),
         ({"server-optimizer": "adagrad"}, "'server-optimizer' must be one of"),
         ({"batch-size": 0}, "'batch-size' must be >= 1"),
+        ({"feedback": "ef21"}, "'ef21' is not supported in a run"),
     ],
 )
 def test_bad_values_are_refused_with_the_key_named(values, fragment):
