@@ -2,7 +2,7 @@
 
     fedcomp simulate [--num-supernodes 10] [--run-config "key=value ..."]
     fedcomp sweep experiments/sweeps/smoke.toml --out results/smoke
-    fedcomp report results/smoke [--target 0.9] [--extra-target 0.8 ...]
+    fedcomp report results/smoke [--target 0.9] [--extra-target 0.8 ...] [--at-round 50 ...]
     fedcomp deploy certs|connection|superlink|register|supernode|run ...
 
 ``simulate`` wraps Flower's own CLI (``flwr run . local``), because that is the path
@@ -195,7 +195,7 @@ def sweep(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from fedcomp.report import write_report
 
-    table, paths = write_report(args.dir, args.target, args.extra_target)
+    table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round)
     print(table)
     print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
     return 0
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                           "FedAvg's mean best accuracy - 0.01)")
     rep.add_argument("--extra-target", type=float, action="append", default=[],
                      metavar="ACC", help="one more bytes-to-target table (repeatable)")
+    rep.add_argument("--at-round", type=int, action="append", default=[], metavar="N",
+                     help="add a table of accuracy at round N (repeatable)")
     rep.set_defaults(handler=report)
     _add_deploy_parser(commands)
     args = parser.parse_args(argv)

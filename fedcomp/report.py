@@ -13,7 +13,9 @@ groups runs into *methods* (all grid values but the seed), and writes:
   (``--extra-target``): one tool writes every table of ``experiments/RESULTS.md``;
 * a whole-run table: final and best accuracy, and bytes per round, uplink and total,
   with their factor against plain FedAvg (the per-round compression, which a
-  bytes-to-target factor divides by the ratio of rounds each method needed).
+  bytes-to-target factor divides by the ratio of rounds each method needed);
+* with ``--at-round``, accuracy at chosen rounds (mean over seeds): how short pilots
+  are compared, where no method has reached a target yet.
 
 *Plain FedAvg* means ``codec = "none"`` with the FedAvg server rule (``sgd`` at
 ``server-lr = 1``). An uncompressed run with another server optimizer (FedAdam as a
@@ -35,6 +37,7 @@ from typing import Any
 __all__ = [
     "MethodResult",
     "RunResult",
+    "accuracy_at_rounds",
     "build_report",
     "bytes_to_target",
     "format_whole_runs",
@@ -209,6 +212,28 @@ def format_whole_runs(methods: list[MethodResult]) -> str:
     return "\n".join(lines)
 
 
+def accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
+    """A markdown table of each method's accuracy at the given rounds, mean over seeds.
+
+    A round that some seed did not evaluate (``eval-every``) or did not reach shows '-':
+    a mean over fewer seeds than the method has would not compare like with like.
+    """
+    def at(run: RunResult, rnd: int) -> float:
+        found = [r["accuracy"] for r in run.rounds if int(r["round"]) == rnd]
+        return found[0] if found else math.nan
+
+    lines = ["| method | seeds | " + " | ".join(f"round {r}" for r in rounds) + " |",
+             "|---|---|" + "---|" * len(rounds)]
+    for m in methods:
+        cells = []
+        for rnd in rounds:
+            values = [at(run, rnd) for run in m.runs]
+            ok = all(math.isfinite(v) for v in values)
+            cells.append(f"{statistics.mean(values):.4f}" if ok else "-")
+        lines.append(f"| {m.method} | {len(m.runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list[Path]:
     """Write the two PNG plots; return their paths."""
     import matplotlib
@@ -258,11 +283,13 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
 
 
 def write_report(out_dir: str | Path, target: float | None = None,
-                 extra_targets: Sequence[float] = ()) -> tuple[str, list[Path]]:
+                 extra_targets: Sequence[float] = (),
+                 at_rounds: Sequence[int] = ()) -> tuple[str, list[Path]]:
     """Build the report of a sweep folder; write report.md and the plots.
 
     ``target`` (default: plain FedAvg's mean best accuracy minus one point) draws the
-    line in the plots; each of ``extra_targets`` adds one more bytes-to-target table.
+    line in the plots; each of ``extra_targets`` adds one more bytes-to-target table,
+    and ``at_rounds`` a table of accuracy at those rounds.
     """
     out = Path(out_dir)
     runs = load_runs(out)
@@ -272,6 +299,9 @@ def write_report(out_dir: str | Path, target: float | None = None,
         tables.append(format_table(*build_report(runs, extra)))
     tables.append("Whole runs: accuracy, and bytes per round against plain FedAvg.\n\n"
                   + format_whole_runs(methods))
+    if at_rounds:
+        tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
+                      + accuracy_at_rounds(methods, at_rounds))
     table = "\n\n".join(tables)
     paths = plot_runs(methods, out, target)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(

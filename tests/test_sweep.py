@@ -210,6 +210,18 @@ def test_report_adds_tables_for_extra_targets_and_a_whole_run_table(tmp_path):
     assert (tmp_path / "report.md").read_text().count("| codec=sign |") == 4
 
 
+def test_report_tables_accuracy_at_chosen_rounds_as_a_mean_over_seeds(tmp_path):
+    run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)
+    table, _ = write_report(tmp_path, at_rounds=[2, 3, 4])
+    part = table[table.index("Accuracy at chosen rounds"):]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in part.splitlines() if line.startswith("| codec=")}
+    # seeds add 0.000 and 0.001: the means are 0.8005 and 0.6005 at round 2; round 4
+    # was never run, so it shows '-' rather than a number.
+    assert rows == {"codec=none": ["2", "0.8005", "0.9005", "-"],
+                    "codec=sign": ["2", "0.6005", "0.8505", "-"]}
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "experiments/sweeps").glob("*.toml")),
                          ids=lambda p: p.name)
 def test_every_committed_sweep_file_loads_with_valid_configs(path):
