@@ -37,9 +37,9 @@ from typing import Any
 __all__ = [
     "MethodResult",
     "RunResult",
-    "accuracy_at_rounds",
     "build_report",
     "bytes_to_target",
+    "format_accuracy_at_rounds",
     "format_whole_runs",
     "is_plain_fedavg",
     "load_runs",
@@ -212,7 +212,7 @@ def format_whole_runs(methods: list[MethodResult]) -> str:
     return "\n".join(lines)
 
 
-def accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
+def format_accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
     """A markdown table of each method's accuracy at the given rounds, mean over seeds.
 
     A round that some seed did not evaluate (``eval-every``) or did not reach shows '-':
@@ -301,7 +301,7 @@ def write_report(out_dir: str | Path, target: float | None = None,
                   + format_whole_runs(methods))
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
-                      + accuracy_at_rounds(methods, at_rounds))
+                      + format_accuracy_at_rounds(methods, at_rounds))
     table = "\n\n".join(tables)
     paths = plot_runs(methods, out, target)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(
