@@ -9,11 +9,13 @@ clients), and packs the reply.
 from __future__ import annotations
 
 import time
+from logging import INFO
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import message_size_mod
+from flwr.common.logger import log as flwr_log
 
 from fedcomp.client_round import (
     ClientState,
@@ -81,6 +83,9 @@ def train(msg: Message, context: Context) -> Message:
     if not saved and state_path is not None:
         saved = load_state_file(state_path, run_id=context.run_id, partition_id=partition_id)
         from_file = bool(saved)
+        if from_file:  # in the SuperNode's log: an operator sees the node carry on
+            flwr_log(INFO, "fedcomp: partition %d resumed from state file %s in round %d",
+                     partition_id, state_path, server_round)
     state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.dataset))
     try:
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
