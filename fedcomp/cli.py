@@ -3,6 +3,7 @@
     fedcomp simulate [--num-supernodes 10] [--run-config "key=value ..."]
     fedcomp sweep experiments/sweeps/smoke.toml --out results/smoke
     fedcomp report results/smoke [--target 0.9] [--extra-target 0.8 ...] [--at-round 50 ...]
+        [--reference METHOD]
     fedcomp deploy certs|connection|superlink|register|supernode|run ...
 
 ``simulate`` wraps Flower's own CLI (``flwr run . local``), because that is the path
@@ -195,7 +196,8 @@ def sweep(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from fedcomp.report import write_report
 
-    table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round)
+    table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,
+                                args.reference)
     print(table)
     print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
     return 0
@@ -227,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
                      metavar="ACC", help="one more bytes-to-target table (repeatable)")
     rep.add_argument("--at-round", type=int, action="append", default=[], metavar="N",
                      help="add a table of accuracy at round N (repeatable)")
+    rep.add_argument("--reference", default=None, metavar="METHOD",
+                     help="the method the target and factors come from (default: the one "
+                          "plain FedAvg method; required where there are several)")
     rep.set_defaults(handler=report)
     _add_deploy_parser(commands)
     args = parser.parse_args(argv)

@@ -20,7 +20,9 @@ groups runs into *methods* (all grid values but the seed), and writes:
 *Plain FedAvg* means ``codec = "none"`` with the FedAvg server rule (``sgd`` at
 ``server-lr = 1``). An uncompressed run with another server optimizer (FedAdam as a
 reference, say) is a method like any other: it neither sets the target nor serves as
-the reference, so the baseline stays what the field compares against.
+the reference, so the baseline stays what the field compares against. Where a sweep
+holds several plain FedAvg methods (one with more local epochs, say), ``--reference``
+names the one the target and the factors come from.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "is_plain_fedavg",
     "load_runs",
     "plot_runs",
+    "reference_method",
     "write_report",
 ]
 
@@ -116,25 +119,51 @@ def is_plain_fedavg(config: dict[str, Any]) -> bool:
             and float(config.get("server-lr", 1.0)) == 1.0)
 
 
-def build_report(runs: list[RunResult], target: float | None = None
-                 ) -> tuple[float, list[MethodResult]]:
-    """Group runs into methods and compute bytes-to-target; return (target, methods)."""
-    if target is None:
-        baseline = [r.summary["best_accuracy"] for r in runs
-                    if is_plain_fedavg(r.summary["config"])]
-        if not baseline:
-            raise ValueError("no plain FedAvg run (codec = \"none\", server-optimizer = "
-                             "\"sgd\", server-lr = 1) to take the target from: pass --target")
-        target = statistics.mean(baseline) - 0.01
+def reference_method(methods: list[MethodResult], name: str | None = None
+                     ) -> MethodResult | None:
+    """The method others are compared with: ``name``, or the one plain FedAvg method.
+
+    A sweep may hold several plain FedAvg methods (with more local epochs, say); then
+    the reference must be named, since the target and every factor depend on it.
+    """
+    if name is not None:
+        for method in methods:
+            if method.method == name:
+                return method
+        raise ValueError(f"reference method {name!r} is not in this sweep; its methods: "
+                         + ", ".join(repr(m.method) for m in methods))
+    plain = [m for m in methods if is_plain_fedavg(m.runs[0].summary["config"])]
+    if len(plain) > 1:
+        raise ValueError("several plain FedAvg methods ("
+                         + ", ".join(repr(m.method) for m in plain)
+                         + "): name the reference (--reference)")
+    return plain[0] if plain else None
+
+
+def build_report(runs: list[RunResult], target: float | None = None,
+                 reference: str | None = None) -> tuple[float, list[MethodResult]]:
+    """Group runs into methods and compute bytes-to-target; return (target, methods).
+
+    The default target is the reference method's mean best accuracy minus one point
+    (see :func:`reference_method`).
+    """
     methods: dict[str, MethodResult] = {}
     for run in runs:
         method = methods.setdefault(run.method, MethodResult(run.method, []))
         method.runs.append(run)
         method.best_accuracy.append(run.summary["best_accuracy"])
-        reached = bytes_to_target(run.rounds, target)
-        method.round_to_target.append(reached[0] if reached else None)
-        method.uplink_to_target.append(reached[1] if reached else None)
-        method.total_to_target.append(reached[2] if reached else None)
+    baseline = reference_method(list(methods.values()), reference)
+    if target is None:
+        if baseline is None:
+            raise ValueError("no plain FedAvg run (codec = \"none\", server-optimizer = "
+                             "\"sgd\", server-lr = 1) to take the target from: pass --target")
+        target = statistics.mean(baseline.best_accuracy) - 0.01
+    for method in methods.values():
+        for run in method.runs:
+            reached = bytes_to_target(run.rounds, target)
+            method.round_to_target.append(reached[0] if reached else None)
+            method.uplink_to_target.append(reached[1] if reached else None)
+            method.total_to_target.append(reached[2] if reached else None)
     return target, list(methods.values())
 
 
@@ -150,10 +179,10 @@ def _spread(values: list[float | None]) -> str:
     return f" [{min(present) / 1e6:.3g}-{max(present) / 1e6:.3g}]"
 
 
-def format_table(target: float, methods: list[MethodResult]) -> str:
-    """A markdown table: accuracy, bytes to target, factor against plain FedAvg."""
-    reference = next((m for m in methods
-                      if is_plain_fedavg(m.runs[0].summary["config"])), None)
+def format_table(target: float, methods: list[MethodResult],
+                 reference_name: str | None = None) -> str:
+    """A markdown table: accuracy, bytes to target, factor against the reference."""
+    reference = reference_method(methods, reference_name)
     ref_up = _mean(reference.uplink_to_target) if reference else None
     ref_total = _mean(reference.total_to_target) if reference else None
     lines = [
@@ -177,7 +206,7 @@ def format_table(target: float, methods: list[MethodResult]) -> str:
     return "\n".join(lines)
 
 
-def format_whole_runs(methods: list[MethodResult]) -> str:
+def format_whole_runs(methods: list[MethodResult], reference_name: str | None = None) -> str:
     """A markdown table of whole runs: accuracy and bytes per round against plain FedAvg.
 
     Bytes per round (rather than per run) keep runs of different lengths comparable.
@@ -190,8 +219,7 @@ def format_whole_runs(methods: list[MethodResult]) -> str:
         return statistics.mean(sum(per_round(r, k) for k in keys) for r in m.runs)
 
     up_keys, total_keys = ("cum_uplink_bytes",), ("cum_uplink_bytes", "cum_downlink_bytes")
-    reference = next((m for m in methods if is_plain_fedavg(m.runs[0].summary["config"])),
-                     None)
+    reference = reference_method(methods, reference_name)
     ref_up = mean_per_round(reference, up_keys) if reference else None
     ref_total = mean_per_round(reference, total_keys) if reference else None
     lines = [
@@ -284,21 +312,23 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
 
 def write_report(out_dir: str | Path, target: float | None = None,
                  extra_targets: Sequence[float] = (),
-                 at_rounds: Sequence[int] = ()) -> tuple[str, list[Path]]:
+                 at_rounds: Sequence[int] = (),
+                 reference: str | None = None) -> tuple[str, list[Path]]:
     """Build the report of a sweep folder; write report.md and the plots.
 
     ``target`` (default: plain FedAvg's mean best accuracy minus one point) draws the
     line in the plots; each of ``extra_targets`` adds one more bytes-to-target table,
-    and ``at_rounds`` a table of accuracy at those rounds.
+    and ``at_rounds`` a table of accuracy at those rounds. ``reference`` names the
+    method the factors are against (needed where several are plain FedAvg).
     """
     out = Path(out_dir)
     runs = load_runs(out)
-    target, methods = build_report(runs, target)
-    tables = [format_table(target, methods)]
+    target, methods = build_report(runs, target, reference)
+    tables = [format_table(target, methods, reference)]
     for extra in extra_targets:
-        tables.append(format_table(*build_report(runs, extra)))
+        tables.append(format_table(*build_report(runs, extra, reference), reference))
     tables.append("Whole runs: accuracy, and bytes per round against plain FedAvg.\n\n"
-                  + format_whole_runs(methods))
+                  + format_whole_runs(methods, reference))
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))

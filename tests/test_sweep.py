@@ -229,3 +229,39 @@ def test_every_committed_sweep_file_loads_with_valid_configs(path):
     an hour into a sweep."""
     sweep = Sweep.load(path)
     assert sweep.runs and len({r.run_id for r in sweep.runs}) == len(sweep.runs)
+
+
+def test_several_plain_fedavg_methods_need_a_named_reference(tmp_path):
+    """FedAvg with more local epochs is plain FedAvg too: the report must not guess."""
+    sweep = Sweep(base={"num-server-rounds": 3, "seed": 0}, grid={},
+                  methods=[{"name": "FedAvg", "codec": "none"},
+                           {"name": "FedAvg, 2 epochs", "codec": "none", "local-epochs": 2},
+                           {"name": "sign", "codec": "sign"}])
+    curves = {("none", False): [0.5, 0.8, 0.9], ("none", True): [0.7, 0.9, 0.95],
+              ("sign", False): [0.3, 0.6, 0.85]}
+
+    def runner(cfg: RunConfig, num_supernodes: int) -> dict:
+        recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
+                               model_bytes=1000, num_rounds=3, verbose=False)
+        for rnd, a in enumerate(curves[cfg.codec, cfg.local_epochs == 2], 1):
+            recorder.record(RoundRecord(rnd, accuracy=a, clients_ok=1,
+                                        uplink_bytes=1000 if cfg.codec == "none" else 50,
+                                        downlink_bytes=1000))
+        return recorder.finish()
+
+    run_sweep(sweep, tmp_path, runner, log=lambda _: None)
+    runs = load_runs(tmp_path)
+    with pytest.raises(ValueError, match=r"'FedAvg', 'FedAvg, 2 epochs'.*--reference"):
+        build_report(runs)
+    with pytest.raises(ValueError, match="'FedAvg, 4 epochs' is not in this sweep"):
+        build_report(runs, reference="FedAvg, 4 epochs")
+    target, _ = build_report(runs, reference="FedAvg")
+    assert target == pytest.approx(0.9 - 0.01)
+    assert build_report(runs, reference="FedAvg, 2 epochs")[0] == pytest.approx(0.95 - 0.01)
+    table, _ = write_report(tmp_path, target=0.8, reference="FedAvg")
+    first_table = table[:table.index("Whole runs")]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in first_table.splitlines()
+            if line.startswith("| ") and not line.startswith("| method")}
+    # To 0.8: FedAvg 2 rounds (2000 uplink bytes), 2 epochs 2 rounds too, sign 3 (150).
+    assert rows["sign"][7].strip() == "13.3"
+    assert rows["FedAvg, 2 epochs"][7].strip() == "1.0"
