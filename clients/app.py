@@ -32,6 +32,7 @@ from fedcomp.faults import POISON_SCALE, InjectedFault, tamper
 from fedcomp.flower import (
     downlink_from_record,
     load_client_state,
+    outcomes_from_record,
     payload_to_record,
     save_client_state,
 )
@@ -88,10 +89,14 @@ def train(msg: Message, context: Context) -> Message:
                      partition_id, state_path, server_round)
     state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.dataset))
     try:
+        # What the server did with this node's recent updates (older servers: nothing).
+        outcomes = (outcomes_from_record(msg.content["outcomes"])
+                    if "outcomes" in msg.content else None)
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
                                   data, server_round=server_round, client_seed=partition_id,
                                   delta_scale=POISON_SCALE if fault == "poison" else 1.0,
-                                  clip_norm=None if clip_now is None else float(clip_now))
+                                  clip_norm=None if clip_now is None else float(clip_now),
+                                  outcomes=outcomes)
     except ReplicaOutOfSync:
         state.replica = Replica()  # the server sends the full model after a failure
         _save(context, state, state_path, partition_id, server_round)

@@ -4,7 +4,9 @@ The ClientApp (``clients/app.py``) only moves records in and out of Flower messa
 everything it does is here, so it can be tested by calling a function.
 
 State that must survive between rounds, per client: the replica of the shared model
-(downlink) and the error-feedback memory (uplink). It travels as a flat dict of
+(downlink), the error-feedback memory (uplink) and the last update sent, until the
+server says whether it applied it (if not, it goes back into the memory:
+:func:`settle_unconfirmed`). It travels as a flat dict of
 numpy arrays (:meth:`ClientState.to_arrays`), which the Flower adapter stores in
 ``context.state``. State that does not match the run (another codec, another model)
 is dropped with a warning and the client starts clean.
@@ -30,15 +32,18 @@ from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make
 from fedcomp.models import build_model
 from fedcomp.policy import encode_update
 from fedcomp.privacy import clip_update, train_dp_sgd, update_norm
+from fedcomp.tensor import to_numpy
 from fedcomp.training import state_arrays, train
 
 __all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
-           "run_client_round", "save_state_file", "state_file"]
+           "run_client_round", "save_state_file", "settle_unconfirmed", "state_file"]
 
 log = logging.getLogger(__name__)
 
 _REPLICA_PREFIX = "replica/"
 _ROUND_KEY = "replica-round"
+_UNCONFIRMED_PREFIX = "update/"
+_UNCONFIRMED_ROUND_KEY = "round"
 
 
 def model_shapes(dataset: str) -> dict[str, tuple[int, ...]]:
@@ -55,6 +60,10 @@ class ClientState:
     #: dp = "sample": the client's Opacus accountant history (noise, rate, steps),
     #: one accountant for the client's whole life.
     dp_history: list[tuple[float, float, int]] = field(default_factory=list)
+    #: The decoded update last sent (what the server adds if it applies it) and its
+    #: round, kept until the server says whether it applied it. Error feedback only.
+    unconfirmed: dict[str, np.ndarray] = field(default_factory=dict)
+    unconfirmed_round: int | None = None
 
     @classmethod
     def fresh(cls, cfg: RunConfig) -> ClientState:
@@ -67,6 +76,12 @@ class ClientState:
         groups = {"replica": replica, "feedback": self.feedback.state_dict()}
         if self.dp_history:
             groups["privacy"] = {"history": np.array(self.dp_history, dtype=np.float64)}
+        # Always written (round -1 when settled), so that a settled update never
+        # lingers in a context.state that is updated group by group.
+        unconfirmed = {_UNCONFIRMED_PREFIX + k: v for k, v in self.unconfirmed.items()}
+        unconfirmed[_UNCONFIRMED_ROUND_KEY] = np.array(
+            [-1 if self.unconfirmed_round is None else self.unconfirmed_round], dtype=np.int64)
+        groups["unconfirmed"] = unconfirmed
         return groups
 
     @classmethod
@@ -90,8 +105,21 @@ class ClientState:
             state.feedback.load_state_dict(saved.get("feedback") or {}, shapes=shapes)
         except (StateMismatchError, TypeError) as exc:
             log.warning("dropping saved error-feedback state: %s", exc)
+            return state  # an unconfirmed update belongs with the memory it left
         except (KeyError, ValueError) as exc:
             log.warning("dropping unusable error-feedback state: %s", exc)
+            return state
+        unconfirmed = saved.get("unconfirmed") or {}
+        if (isinstance(state.feedback, ErrorFeedback) and _UNCONFIRMED_ROUND_KEY in unconfirmed
+                and int(np.asarray(unconfirmed[_UNCONFIRMED_ROUND_KEY])[0]) >= 0):
+            update = {k[len(_UNCONFIRMED_PREFIX):]: np.array(v, dtype=np.float32)
+                      for k, v in unconfirmed.items() if k.startswith(_UNCONFIRMED_PREFIX)}
+            if all(tuple(shapes.get(k, ())) == v.shape for k, v in update.items()):
+                state.unconfirmed = update
+                state.unconfirmed_round = int(
+                    np.asarray(unconfirmed[_UNCONFIRMED_ROUND_KEY])[0])
+            else:
+                log.warning("dropping a saved unconfirmed update that does not fit the model")
         return state
 
 
@@ -134,6 +162,27 @@ def load_state_file(path: Path, *, run_id: int, partition_id: int
     return groups
 
 
+def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None) -> float:
+    """Settle the last update sent: give it back to the memory if it was never applied.
+
+    ``outcomes`` is what the server says of this node's recent rounds: round -> whether
+    the node's update went into the model. An update that arrived after the round's
+    timeout, was rejected, or whose round was abandoned (fewer than min-clients) was
+    not applied. Returns the norm of what was given back (0 if nothing). Where the
+    server says nothing of the unconfirmed update's round (it restarted, say), the
+    update is dropped unconfirmed, as plain error feedback would: giving back an update
+    the server did apply would count it twice.
+    """
+    given_back = 0.0
+    if (state.unconfirmed_round is not None and outcomes
+            and outcomes.get(state.unconfirmed_round) is False
+            and isinstance(state.feedback, ErrorFeedback)):
+        state.feedback.give_back(state.unconfirmed)
+        given_back = update_norm(state.unconfirmed)
+    state.unconfirmed, state.unconfirmed_round = {}, None
+    return given_back
+
+
 @dataclass
 class ClientResult:
     """A client's reply: the payload and the metrics it reports."""
@@ -153,6 +202,7 @@ def run_client_round(
     client_seed: int,
     delta_scale: float = 1.0,
     clip_norm: float | None = None,
+    outcomes: Mapping[int, bool] | None = None,
 ) -> ClientResult:
     """Sync the replica, train locally, and encode the delta with error feedback.
 
@@ -162,7 +212,8 @@ def run_client_round(
     is encoded without error feedback and leaves the client's memory untouched, so
     one poisoned round does not turn the client into a permanent poisoner.
     ``clip_norm`` is this round's DP-FedAvg clipping norm (it moves with adaptive
-    clipping); ``cfg.dp_clip_norm`` if None.
+    clipping); ``cfg.dp_clip_norm`` if None. ``outcomes`` is what the server says of
+    this node's recent updates (see :func:`settle_unconfirmed`).
 
     Raises
     ------
@@ -219,6 +270,7 @@ def run_client_round(
         delta = {k: v * np.float32(delta_scale) for k, v in delta.items()}
         feedback = NoFeedback()
 
+    given_back = settle_unconfirmed(state, outcomes)
     residual_in = (state.feedback.residual_norm()
                    if isinstance(state.feedback, ErrorFeedback) else 0.0)
     update = encode_update(
@@ -226,6 +278,10 @@ def run_client_round(
         rng=np.random.default_rng([cfg.seed, client_seed, server_round]),
         meta={"round": server_round},
     )
+    if isinstance(feedback, ErrorFeedback):  # a poisoned message leaves memory alone
+        state.unconfirmed = {k: np.array(to_numpy(v)[0], dtype=np.float32)
+                             for k, v in update.decoded.items()}
+        state.unconfirmed_round = server_round
     metrics = {
         "num-examples": float(len(data)),
         "partition-id": float(client_seed),
@@ -237,6 +293,7 @@ def run_client_round(
         "downlink-decode-s": sync_s,
         "replica-round": float(state.replica.round or 0),
         "residual-norm-in": residual_in,
+        "given-back-norm": given_back,
         "delta-norm": delta_norm,
         **dp_metrics,
     }

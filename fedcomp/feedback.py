@@ -18,7 +18,8 @@ memory exposes ``compress(name, x, pipeline, rng) -> (encoded, decoded)``:
 * :class:`NoFeedback` -- the null object: plain compression, no state.
 
 State is created lazily per tensor name (as PowerSGD's hook does), skipped for
-lossless pipelines (nothing is ever lost), and round-trips through
+lossless pipelines (nothing is lost in coding; an update the server never applied is
+given back with :meth:`ErrorFeedback.give_back`, for every tensor), and round-trips through
 :meth:`state_dict` / :meth:`load_state_dict` as a flat dict of numpy arrays, which
 :mod:`fedcomp.flower` turns into a Flower ``ArrayRecord`` for ``context.state``.
 Loading refuses state made for another kind of memory, another codec, or other shapes.
@@ -27,7 +28,7 @@ Loading refuses state made for another kind of memory, another codec, or other s
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -42,6 +43,7 @@ __all__ = [
     "ErrorFeedback",
     "FeedbackMemory",
     "NoFeedback",
+    "OutcomeLedger",
     "StateMismatchError",
     "make_feedback",
 ]
@@ -171,7 +173,10 @@ class ErrorFeedback(_ResidualMemory):
                  rng: np.random.Generator) -> tuple[Encoded, Any]:
         array, kind = to_numpy(x)
         if pipeline.lossless:
-            return pipeline.roundtrip(x, rng=rng)
+            given_back = self.memory.pop(name, None)  # only ever set by give_back
+            if given_back is None:
+                return pipeline.roundtrip(x, rng=rng)
+            return pipeline.roundtrip(from_numpy(array + given_back, kind), rng=rng)
         residual = self._slot(name, array)
         compensated = array + residual if residual is not None else array.copy()
         encoded, decoded = pipeline.roundtrip(compensated, rng=rng)
@@ -179,6 +184,23 @@ class ErrorFeedback(_ResidualMemory):
         np.subtract(compensated, decoded, out=compensated)
         self.memory[name] = compensated
         return encoded, from_numpy(decoded, kind)
+
+    def give_back(self, lost: Mapping[str, Any]) -> None:
+        """Add an update the receiver never applied back into the residual.
+
+        ``compress`` subtracts what it sends from the residual as if it arrived. When
+        the server did not apply it (the reply came after the round's timeout, was
+        rejected, or the round was abandoned), the decoded values are added back, so
+        ``sum(inputs) == sum(applied decoded) + residual`` holds again and nothing is
+        lost for good. ``lost`` is what ``compress`` returned for each tensor.
+        """
+        for name, value in lost.items():
+            array = np.asarray(to_numpy(value)[0], dtype=np.float32)
+            slot = self._slot(name, array)
+            if slot is None:
+                self.memory[name] = array.copy()
+            else:
+                slot += array
 
     def residual_norm(self) -> float:
         """L2 norm of all residuals (a diagnostic worth logging per round)."""
@@ -236,3 +258,32 @@ def make_feedback(kind: str, codec_spec: str) -> NoFeedback | ErrorFeedback | EF
             f"unknown error feedback {kind!r}; choose one of {', '.join(_KINDS)}"
         ) from None
     return cls(codec_spec)
+
+
+class OutcomeLedger:
+    """Server side of :meth:`ErrorFeedback.give_back`: which of a node's updates it applied.
+
+    For every round a node was asked to train, whether its update went into the model;
+    the latest ``keep`` rounds per node. Sent to the node with its next message, so
+    that an update that was lost (late, rejected, or its round abandoned) goes back
+    into the node's residual rather than being lost for good.
+    """
+
+    def __init__(self, keep: int = 16) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.keep = keep
+        self.rounds: dict[int, dict[int, bool]] = {}
+
+    def record(self, server_round: int, asked: Iterable[int], applied: Iterable[int]) -> None:
+        """Note the round's outcome for every node asked to train in it."""
+        applied = set(applied)
+        for node in asked:
+            history = self.rounds.setdefault(node, {})
+            history[server_round] = node in applied
+            for old in sorted(history)[:-self.keep]:
+                del history[old]
+
+    def for_node(self, node: int) -> dict[int, bool]:
+        """The node's latest outcomes, round -> applied (empty if it was never asked)."""
+        return dict(self.rounds.get(node, {}))

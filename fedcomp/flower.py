@@ -20,12 +20,17 @@ __all__ = [
     "downlink_from_record",
     "downlink_to_record",
     "load_client_state",
+    "outcomes_from_record",
+    "outcomes_to_record",
     "payload_from_record",
     "payload_to_record",
     "record_to_state",
     "save_client_state",
     "state_to_record",
 ]
+
+#: Most rounds an outcomes record may describe (the server sends a node's latest few).
+MAX_OUTCOMES = 64
 
 #: Prefix of fedcomp's entries in a node's ``context.state``.
 STATE_PREFIX = "fedcomp."
@@ -81,6 +86,25 @@ def downlink_from_record(record: ConfigRecord) -> DownlinkMessage:
             or not all(isinstance(p, bytes) for p in payloads)):
         raise ValueError("malformed downlink record")
     return DownlinkMessage(kind, start, stop, tuple(payloads), base_digest)
+
+
+def outcomes_to_record(outcomes: Mapping[int, bool]) -> ConfigRecord:
+    """What the server says of a node's recent rounds: round -> update applied or not."""
+    rounds = sorted(outcomes)[-MAX_OUTCOMES:]
+    # Never an empty list: Flower's ConfigRecord.count_bytes fails on one.
+    return ConfigRecord({"rounds": rounds or [-1],
+                         "applied": [bool(outcomes[r]) for r in rounds] or [False]})
+
+
+def outcomes_from_record(record: ConfigRecord) -> dict[int, bool]:
+    """Inverse of :func:`outcomes_to_record`; a malformed record raises ``ValueError``."""
+    rounds, applied = record.get("rounds"), record.get("applied")
+    if (not isinstance(rounds, list) or not isinstance(applied, list)
+            or len(rounds) != len(applied) or len(rounds) > MAX_OUTCOMES
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in rounds)
+            or not all(isinstance(a, bool) for a in applied)):
+        raise ValueError("malformed uplink outcomes record")
+    return {r: a for r, a in zip(rounds, applied, strict=True) if r >= 0}
 
 
 def save_client_state(state: RecordDict, arrays: Mapping[str, Mapping[str, np.ndarray]]) -> None:

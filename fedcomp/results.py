@@ -25,12 +25,12 @@ ROUND_COLUMNS = [
 ]
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
-#: client reported about itself (bytes it sent and received, residual, where its state
-#: came from).
+#: client reported about itself (bytes it sent and received, residual, the norm of a
+#: lost update it gave back to its residual, where its state came from).
 CLIENT_COLUMNS = [
     "round", "node_id", "partition-id", "num-examples", "payload-bytes", "downlink-bytes",
-    "train-s", "encode-s", "residual-norm-in", "delta-norm", "replica-round",
-    "state-from-file",
+    "train-s", "encode-s", "residual-norm-in", "given-back-norm", "delta-norm",
+    "replica-round", "state-from-file",
 ]
 
 

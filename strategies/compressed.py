@@ -42,7 +42,8 @@ from flwr.serverapp.strategy import FedAvg
 from fedcomp.aggregation import ClientReply, aggregate_deltas
 from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, model_digest
-from fedcomp.flower import downlink_to_record, payload_from_record
+from fedcomp.feedback import OutcomeLedger
+from fedcomp.flower import downlink_to_record, outcomes_to_record, payload_from_record
 from fedcomp.privacy import (
     AdaptiveClipping,
     ClientLevelDP,
@@ -93,6 +94,9 @@ class CompressedFedAvg(FedAvg):
         self.rng = np.random.default_rng([cfg.seed, 0x5A])
         #: The round each node's replica is known to be at (a lower bound).
         self.node_rounds: dict[int, int] = {}
+        #: Which of each node's updates went into the model; told to the node so that
+        #: an update that was lost goes back into its error-feedback residual.
+        self.outcomes = OutcomeLedger()
         #: The data partition each node said it holds (orders the sampling).
         self.partition_of: dict[int, int] = {}
         self.stats: dict[int, RoundStats] = {}
@@ -199,7 +203,8 @@ class CompressedFedAvg(FedAvg):
             downlink = self.broadcaster.message_for(
                 self.node_rounds.get(node, 0 if self.cfg.shared_init else -1))
             self._sent[node] = downlink.nbytes
-            content = RecordDict({"config": settings, "downlink": downlink_to_record(downlink)})
+            content = RecordDict({"config": settings, "downlink": downlink_to_record(downlink),
+                                  "outcomes": outcomes_to_record(self.outcomes.for_node(node))})
             messages.append(Message(content=content, message_type=MessageType.TRAIN,
                                     dst_node_id=node))
         log.info("round %d: sampled %d nodes, downlink %d bytes", server_round, len(nodes),
@@ -292,7 +297,9 @@ class CompressedFedAvg(FedAvg):
         if result.mean_delta is not None and len(result.accepted) >= self.cfg.min_clients:
             target = self.optimizer.step(self.broadcaster.model, result.mean_delta)
             self.broadcaster.publish(target)
+            self.outcomes.record(server_round, self._sent, result.accepted)
         else:
+            self.outcomes.record(server_round, self._sent, ())
             log.warning("round %d: %d accepted updates (< min-clients %d); the model is "
                         "unchanged", server_round, len(result.accepted), self.cfg.min_clients)
         self.stats[server_round] = stats

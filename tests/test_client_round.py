@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from fedcomp.client_round import ClientState, model_shapes, run_client_round
 from fedcomp.config import RunConfig
@@ -77,3 +78,42 @@ def test_restoring_state_without_error_feedback_is_silent(caplog):
     with caplog.at_level(logging.WARNING):
         restored = ClientState.from_arrays(cfg, state.to_arrays(), model_shapes("digits"))
     assert caplog.text == "" and restored.replica.round == 0
+
+
+def test_an_update_the_server_did_not_apply_goes_back_into_the_residual():
+    """Through a save and restore: the unconfirmed update travels with the state."""
+    server, data = _setup()
+    state = ClientState.fresh(CFG)
+    first = run_client_round(CFG, state, server.message_for(None), data, server_round=1,
+                             client_seed=0)
+    sent = unpack_payload(first.payload, expected=CFG.uplink_policy.expected(server.shapes))
+    residual = {k: v.copy() for k, v in state.feedback.memory.items()}
+
+    def restored() -> ClientState:
+        return ClientState.from_arrays(CFG, state.to_arrays(), model_shapes("digits"))
+
+    after_loss = restored()
+    assert after_loss.unconfirmed_round == 1
+    lost = run_client_round(CFG, after_loss, server.message_for(0), data, server_round=2,
+                            client_seed=0, outcomes={1: False})
+    # What the residual was when round 2 began: round 1's residual plus everything
+    # round 1 sent, which the server never applied.
+    owed = {k: residual.get(k, 0) + sent.tensors[k] for k in sent.tensors}
+    assert lost.metrics["given-back-norm"] == pytest.approx(
+        float(np.sqrt(sum(np.vdot(v, v) for v in sent.tensors.values()))), rel=1e-5)
+    assert lost.metrics["residual-norm-in"] == pytest.approx(
+        float(np.sqrt(sum(np.vdot(v, v) for v in owed.values()))), rel=1e-5)
+    assert after_loss.unconfirmed_round == 2  # round 2's update now waits for its outcome
+    # Applied, or no word of round 1 (a restarted server): nothing is given back.
+    for outcomes in ({1: True}, {0: False}, None):
+        again = restored()
+        result = run_client_round(CFG, again, server.message_for(0), data, server_round=2,
+                                  client_seed=0, outcomes=outcomes)
+        assert result.metrics["given-back-norm"] == 0.0
+        assert result.metrics["residual-norm-in"] == pytest.approx(
+            float(np.sqrt(sum(np.vdot(v, v) for v in residual.values()))), rel=1e-5)
+    # A settled update is written as settled (round -1), so it never comes back.
+    assert int(again.to_arrays()["unconfirmed"]["round"][0]) == 2
+    again.unconfirmed, again.unconfirmed_round = {}, None
+    assert ClientState.from_arrays(CFG, again.to_arrays(),
+                                   model_shapes("digits")).unconfirmed_round is None

@@ -34,6 +34,19 @@ def test_dropouts_and_corrupt_payloads_are_counted_exactly_as_injected(tmp_path)
     assert injected["dropout"] >= 2 and injected["corrupt"] >= 1  # the test tests something
     assert summary["rejected_updates"] == injected["corrupt"]
     assert set(summary["rejected_by_reason"]) <= {"checksum", "truncated", "size"}
+    # Error feedback: a client whose update was rejected gives it back to its residual
+    # in its next round, and only then (a dropped-out client sent nothing to give back).
+    with open(tmp_path / "faults" / "clients.csv") as handle:
+        replies = list(csv.DictReader(handle))
+    checked = 0
+    for reply in replies:
+        rnd, partition = int(reply["round"]), int(float(reply["partition-id"]))
+        if rnd == 1:
+            continue
+        after_rejection = plan.draw(rnd - 1, partition) == "corrupt"
+        assert (float(reply["given-back-norm"]) > 0) == after_rejection, reply
+        checked += after_rejection
+    assert checked >= 1
 
 
 class ServerKilled(Exception):

@@ -12,6 +12,7 @@ from fedcomp.feedback import (
     EF21Estimate,
     ErrorFeedback,
     NoFeedback,
+    OutcomeLedger,
     StateMismatchError,
     make_feedback,
 )
@@ -101,3 +102,44 @@ def test_make_feedback_names_the_bad_kind():
     assert isinstance(make_feedback("ef", "x"), ErrorFeedback)
     with pytest.raises(ValueError, match="unknown error feedback 'ef3'"):
         make_feedback("ef3", "x")
+
+
+@given(spec=st.sampled_from([*BIASED, "none"]), lost=st.lists(st.booleans(), min_size=1,
+                                                              max_size=10),
+       seed=st.integers(0, 10**6))
+def test_lost_updates_given_back_keep_the_telescoping_sum(spec, lost, seed):
+    """Only what the receiver applied counts as sent: a lost update goes back to the memory.
+
+    Without give_back the sum falls short by every lost update; for the lossless
+    pipeline (no residual kept) the lost values come back in the next message.
+    """
+    rng = np.random.default_rng(seed)
+    pipeline = Pipeline.parse(spec)
+    memory = ErrorFeedback(spec)
+    applied = np.zeros((30, 20), dtype=np.float64)
+    inputs = np.zeros_like(applied)
+    for was_lost in lost:
+        x = rng.standard_normal((30, 20)).astype(np.float32)
+        inputs += x
+        _, decoded = memory.compress("w", x, pipeline, rng)
+        if was_lost:
+            memory.give_back({"w": decoded})
+        else:
+            applied += decoded
+    owed = memory.memory.get("w", np.zeros((30, 20), np.float32))
+    np.testing.assert_allclose(applied + owed, inputs, atol=1e-4 * len(lost))
+    if spec == "none":  # lossless: lost values are owed, and paid with the next message
+        assert (np.abs(owed).max() > 0) == lost[-1]
+
+
+def test_the_ledger_keeps_the_latest_outcomes_of_each_node_asked():
+    ledger = OutcomeLedger(keep=2)
+    ledger.record(1, asked=[7, 8], applied=[7])
+    ledger.record(2, asked=[8], applied=[])
+    ledger.record(3, asked=[8, 9], applied=[8, 9, 10])  # 10 was not asked: not recorded
+    assert ledger.for_node(7) == {1: True}
+    assert ledger.for_node(8) == {2: False, 3: True}  # round 1 fell out (keep=2)
+    assert ledger.for_node(9) == {3: True}
+    assert ledger.for_node(10) == {}
+    with pytest.raises(ValueError, match="keep"):
+        OutcomeLedger(keep=0)

@@ -56,3 +56,36 @@ def test_late_replies_are_counted_and_the_round_goes_on(monkeypatch):
     assert record.timed_out == 2 and record.clients_ok == 2
     assert strategy.broadcaster.round == 1  # the model moved on with the two
     assert arrays is not None and set(arrays) == set(SHAPES)
+
+
+def test_each_node_hears_whether_its_last_update_was_applied(monkeypatch):
+    from flwr.supercore.task_identity import TaskIdentity
+
+    from fedcomp.flower import outcomes_from_record
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+    rng = np.random.default_rng(0)
+    initial = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    strategy = CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10, min_clients=2),
+                                initial)
+    grid = FakeGrid([11, 12, 13])
+
+    def outcomes(messages):
+        return {m.metadata.dst_node_id: outcomes_from_record(m.content["outcomes"])
+                for m in messages}
+
+    first = list(strategy.configure_train(1, None, ConfigRecord(), grid))
+    assert outcomes(first) == {11: {}, 12: {}, 13: {}}
+    # 13 is too late: its update is lost, the others are applied.
+    strategy.aggregate_train(1, [_reply(m, strategy, 1, m.metadata.dst_node_id)
+                                 for m in first[:2]])
+    second = list(strategy.configure_train(2, None, ConfigRecord(), grid))
+    assert outcomes(second) == {11: {1: True}, 12: {1: True}, 13: {1: False}}
+    # Round 2: only 11 answers, below min-clients: the round is abandoned, so even 11's
+    # update was not applied.
+    strategy.aggregate_train(2, [_reply(second[0], strategy, 2, 11)])
+    assert strategy.broadcaster.round == 1
+    third = list(strategy.configure_train(3, None, ConfigRecord(), grid))
+    assert outcomes(third)[11] == {1: True, 2: False}
+    assert all(r.count_bytes() > 0 for m in third for r in m.content.values())
