@@ -287,3 +287,13 @@ class OutcomeLedger:
     def for_node(self, node: int) -> dict[int, bool]:
         """The node's latest outcomes, round -> applied (empty if it was never asked)."""
         return dict(self.rounds.get(node, {}))
+
+    def state(self) -> dict[str, dict[str, bool]]:
+        """JSON-able copy, for the server's checkpoint."""
+        return {str(node): {str(r): a for r, a in history.items()}
+                for node, history in self.rounds.items()}
+
+    def restore(self, state: Mapping[str, Mapping[str, bool]]) -> None:
+        """Inverse of :meth:`state`."""
+        self.rounds = {int(node): {int(r): bool(a) for r, a in history.items()}
+                       for node, history in state.items()}

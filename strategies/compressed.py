@@ -320,6 +320,7 @@ class CompressedFedAvg(FedAvg):
                        for r, p in b.updates.items()})
         meta = {"downlink_round": b.round, "initial_digest": b.initial_digest,
                 "node_rounds": {str(k): v for k, v in self.node_rounds.items()},
+                "uplink_outcomes": self.outcomes.state(),
                 "rng": self.rng.bit_generator.state,
                 "downlink_rng": b.rng.bit_generator.state,
                 "dp_rng": self.dp_rng.bit_generator.state,
@@ -343,6 +344,7 @@ class CompressedFedAvg(FedAvg):
         b.round = int(meta["downlink_round"])
         b.initial_digest = str(meta["initial_digest"])
         self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
+        self.outcomes.restore(meta.get("uplink_outcomes", {}))  # older checkpoints: none
         self.rng.bit_generator.state = meta["rng"]
         b.rng.bit_generator.state = meta["downlink_rng"]
         self.dp_rng.bit_generator.state = meta["dp_rng"]

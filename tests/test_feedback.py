@@ -141,5 +141,10 @@ def test_the_ledger_keeps_the_latest_outcomes_of_each_node_asked():
     assert ledger.for_node(8) == {2: False, 3: True}  # round 1 fell out (keep=2)
     assert ledger.for_node(9) == {3: True}
     assert ledger.for_node(10) == {}
+    import json  # the server's checkpoint keeps it as JSON
+
+    again = OutcomeLedger(keep=2)
+    again.restore(json.loads(json.dumps(ledger.state())))
+    assert {n: again.for_node(n) for n in (7, 8, 9)} == {n: ledger.for_node(n) for n in (7, 8, 9)}
     with pytest.raises(ValueError, match="keep"):
         OutcomeLedger(keep=0)
