@@ -88,3 +88,25 @@ def test_the_sum_does_not_depend_on_arrival_order():
     backward = aggregate_deltas(replies[::-1], expected).mean_delta
     for name in SHAPES:
         np.testing.assert_array_equal(forward[name], backward[name])
+
+
+@pytest.mark.parametrize("action", ["reject", "clip"])
+def test_the_norm_bound_and_dp_clipping_together_bound_every_contribution(action):
+    """The norm bound acts first (on the round's median), then DP re-clips every update.
+
+    Values 1, 1.1, 0.9 and a poisoned 100 (norms about 14.5 per unit value): with the
+    bound at 3 x median the poisoned update is dropped or scaled to the limit; DP then
+    clips every kept update to C = 0.5, weight 1 each, so the sum is exactly 0.5 per
+    kept update along the all-ones direction.
+    """
+    replies = [_reply(1, 1.0, 10), _reply(2, 1.1, 30), _reply(3, 0.9, 20),
+               _reply(4, 100.0, 40)]
+    result = aggregate_deltas(replies, POLICY.expected(SHAPES), norm_bound=3.0,
+                              norm_action=action, clip_norm=0.5)
+    kept = [1, 2, 3] if action == "reject" else [1, 2, 3, 4]
+    assert result.accepted == kept
+    assert [r.node_id for r in result.rejected] == ([4] if action == "reject" else [])
+    numel = sum(int(np.prod(s)) for s in SHAPES.values())
+    per_value = 0.5 / np.sqrt(numel)  # one clipped all-equal update, per coordinate
+    np.testing.assert_allclose(result.total["w"], len(kept) * per_value, rtol=1e-5)
+    np.testing.assert_allclose(result.mean_delta["b"], per_value, rtol=1e-5)
