@@ -33,3 +33,14 @@ def test_codec_benchmark_writes_one_row_per_spec_with_the_documented_keys(tmp_pa
     assert by_spec["fp16"]["bits_per_index"] is None
     assert 8.0 < by_spec["topk:ratio=0.01"]["bits_per_index"] < 9.0
     assert "Targets for" in capsys.readouterr().out
+
+
+def test_support_overlap_measures_shares_of_the_compressed_energy(capsys):
+    overlap = _load("support_overlap")
+    own, own_double, on_support, support_plus = overlap.main(
+        ["--dataset", "digits", "--rounds", "4", "--skip", "1", "--clients", "5",
+         "--per-round", "3"])
+    assert 0.0 < on_support < 1.0 and 0.0 < own < own_double <= 1.0
+    # S plus a third of the client's own Top-K can only add to S alone.
+    assert support_plus > on_support
+    assert "own top-0.3%" in capsys.readouterr().out
