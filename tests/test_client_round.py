@@ -23,11 +23,17 @@ def _setup():
     return server, data
 
 
-def test_a_round_returns_a_decodable_payload_and_carries_the_residual():
+def _first_round():
+    """A fresh client's first round: (server, data, state, result)."""
     server, data = _setup()
     state = ClientState.fresh(CFG)
-    first = run_client_round(CFG, state, server.message_for(None), data, server_round=1,
-                             client_seed=0)
+    result = run_client_round(CFG, state, server.message_for(None), data, server_round=1,
+                              client_seed=0)
+    return server, data, state, result
+
+
+def test_a_round_returns_a_decodable_payload_and_carries_the_residual():
+    server, data, state, first = _first_round()
     decoded = unpack_payload(first.payload, expected=CFG.uplink_policy.expected(server.shapes))
     assert decoded.meta == {"round": 1}
     assert first.metrics["payload-bytes"] == len(first.payload)
@@ -82,10 +88,7 @@ def test_restoring_state_without_error_feedback_is_silent(caplog):
 
 def test_an_update_the_server_did_not_apply_goes_back_into_the_residual():
     """Through a save and restore: the unconfirmed update travels with the state."""
-    server, data = _setup()
-    state = ClientState.fresh(CFG)
-    first = run_client_round(CFG, state, server.message_for(None), data, server_round=1,
-                             client_seed=0)
+    server, data, state, first = _first_round()
     sent = unpack_payload(first.payload, expected=CFG.uplink_policy.expected(server.shapes))
     residual = {k: v.copy() for k, v in state.feedback.memory.items()}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedcomp.config import RunConfig
@@ -36,15 +37,25 @@ def _reply(request: Message, strategy: CompressedFedAvg, round_: int, node: int)
     return reply
 
 
-def test_late_replies_are_counted_and_the_round_goes_on(monkeypatch):
+@pytest.fixture
+def make_strategy(monkeypatch):
+    """A CompressedFedAvg on a small random model, in a process posing as a ServerApp."""
     # Messages read the run id of the current process, which a ServerApp would set.
     from flwr.supercore.task_identity import TaskIdentity
     monkeypatch.setattr(TaskIdentity, "_run_id", 1)
     monkeypatch.setattr(TaskIdentity, "_node_id", 0)
     monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-    rng = np.random.default_rng(0)
-    initial = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-    strategy = CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10), initial)
+
+    def make(**settings) -> CompressedFedAvg:
+        rng = np.random.default_rng(0)
+        initial = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        return CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10, **settings),
+                                initial)
+    return make
+
+
+def test_late_replies_are_counted_and_the_round_goes_on(make_strategy):
+    strategy = make_strategy()
     messages = list(strategy.configure_train(1, None, ConfigRecord(), FakeGrid([11, 12, 13, 14])))
     assert len(messages) == 4
     # Flower's message_size_mod sizes every record; it fails on empty strings and lists.
@@ -58,17 +69,10 @@ def test_late_replies_are_counted_and_the_round_goes_on(monkeypatch):
     assert arrays is not None and set(arrays) == set(SHAPES)
 
 
-def test_each_node_hears_whether_its_last_update_was_applied(monkeypatch):
-    from flwr.supercore.task_identity import TaskIdentity
-
+def test_each_node_hears_whether_its_last_update_was_applied(make_strategy):
     from fedcomp.flower import outcomes_from_record
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-    rng = np.random.default_rng(0)
-    initial = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-    strategy = CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10, min_clients=2),
-                                initial)
+
+    strategy = make_strategy(min_clients=2)
     grid = FakeGrid([11, 12, 13])
 
     def outcomes(messages):
