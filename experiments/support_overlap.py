@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> np.ndarray:
             message = server.message_for(state.replica.round or 0)
             result = run_client_round(cfg, state, message, data[partition],
                                       server_round=rnd, client_seed=partition)
+            sent = unpack_payload(result.payload, expected=uplink).tensors
             # What was compressed: the sent (decoded) part plus the new residual.
-            compressed = state.unconfirmed[TENSOR] + state.feedback.memory[TENSOR]
+            compressed = sent[TENSOR] + state.feedback.memory[TENSOR]
             energy = compressed.ravel().astype(np.float64) ** 2
             if support is not None and rnd > args.skip:
                 k = int(0.003 * energy.size)
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
                 shares.append((ranked[:k].sum() / whole, ranked[:2 * k].sum() / whole,
                                energy[support].sum() / whole,
                                (energy[support].sum() + off_support[:k // 3].sum()) / whole))
-            for name, value in unpack_payload(result.payload, expected=uplink).tensors.items():
+            for name, value in sent.items():
                 total[name] = total.get(name, 0.0) + value.astype(np.float64)
         server.publish({name: server.model[name] + (total[name] / args.per_round)
                         .astype(np.float32) for name in total})

@@ -28,12 +28,13 @@ from fedcomp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from fedcomp.config import RunConfig
 from fedcomp.data import ArrayDataset
 from fedcomp.downlink import DownlinkMessage, Replica, model_digest
+from fedcomp.errors import PayloadError
 from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
 from fedcomp.models import build_model
 from fedcomp.policy import encode_update
 from fedcomp.privacy import clip_update, train_dp_sgd, update_norm
-from fedcomp.tensor import to_numpy
 from fedcomp.training import state_arrays, train
+from fedcomp.wire import ExpectedTensor, unpack_payload
 
 __all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
            "run_client_round", "save_state_file", "settle_unconfirmed", "state_file"]
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 
 _REPLICA_PREFIX = "replica/"
 _ROUND_KEY = "replica-round"
-_UNCONFIRMED_PREFIX = "update/"
+_UNCONFIRMED_PAYLOAD_KEY = "payload"
 _UNCONFIRMED_ROUND_KEY = "round"
 
 
@@ -60,9 +61,10 @@ class ClientState:
     #: dp = "sample": the client's Opacus accountant history (noise, rate, steps),
     #: one accountant for the client's whole life.
     dp_history: list[tuple[float, float, int]] = field(default_factory=list)
-    #: The decoded update last sent (what the server adds if it applies it) and its
-    #: round, kept until the server says whether it applied it. Error feedback only.
-    unconfirmed: dict[str, np.ndarray] = field(default_factory=dict)
+    #: The payload last sent and its round, kept until the server says whether it
+    #: applied it (error feedback only). The payload, not its decoded values: a few kB
+    #: against a model's worth of floats, decoded only if it was lost.
+    unconfirmed: bytes = b""
     unconfirmed_round: int | None = None
 
     @classmethod
@@ -78,10 +80,11 @@ class ClientState:
             groups["privacy"] = {"history": np.array(self.dp_history, dtype=np.float64)}
         # Always written (round -1 when settled), so that a settled update never
         # lingers in a context.state that is updated group by group.
-        unconfirmed = {_UNCONFIRMED_PREFIX + k: v for k, v in self.unconfirmed.items()}
-        unconfirmed[_UNCONFIRMED_ROUND_KEY] = np.array(
-            [-1 if self.unconfirmed_round is None else self.unconfirmed_round], dtype=np.int64)
-        groups["unconfirmed"] = unconfirmed
+        groups["unconfirmed"] = {
+            _UNCONFIRMED_PAYLOAD_KEY: np.frombuffer(self.unconfirmed, dtype=np.uint8).copy(),
+            _UNCONFIRMED_ROUND_KEY: np.array(
+                [-1 if self.unconfirmed_round is None else self.unconfirmed_round],
+                dtype=np.int64)}
         return groups
 
     @classmethod
@@ -111,15 +114,11 @@ class ClientState:
             return state
         unconfirmed = saved.get("unconfirmed") or {}
         if (isinstance(state.feedback, ErrorFeedback) and _UNCONFIRMED_ROUND_KEY in unconfirmed
+                and _UNCONFIRMED_PAYLOAD_KEY in unconfirmed
                 and int(np.asarray(unconfirmed[_UNCONFIRMED_ROUND_KEY])[0]) >= 0):
-            update = {k[len(_UNCONFIRMED_PREFIX):]: np.array(v, dtype=np.float32)
-                      for k, v in unconfirmed.items() if k.startswith(_UNCONFIRMED_PREFIX)}
-            if all(tuple(shapes.get(k, ())) == v.shape for k, v in update.items()):
-                state.unconfirmed = update
-                state.unconfirmed_round = int(
-                    np.asarray(unconfirmed[_UNCONFIRMED_ROUND_KEY])[0])
-            else:
-                log.warning("dropping a saved unconfirmed update that does not fit the model")
+            state.unconfirmed = np.asarray(unconfirmed[_UNCONFIRMED_PAYLOAD_KEY],
+                                           dtype=np.uint8).tobytes()
+            state.unconfirmed_round = int(np.asarray(unconfirmed[_UNCONFIRMED_ROUND_KEY])[0])
         return state
 
 
@@ -162,7 +161,8 @@ def load_state_file(path: Path, *, run_id: int, partition_id: int
     return groups
 
 
-def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None) -> float:
+def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None,
+                       expected: Mapping[str, ExpectedTensor]) -> float:
     """Settle the last update sent: give it back to the memory if it was never applied.
 
     ``outcomes`` is what the server says of this node's recent rounds: round -> whether
@@ -171,15 +171,23 @@ def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None) 
     not applied. Returns the norm of what was given back (0 if nothing). Where the
     server says nothing of the unconfirmed update's round (it restarted, say), the
     update is dropped unconfirmed, as plain error feedback would: giving back an update
-    the server did apply would count it twice.
+    the server did apply would count it twice. ``expected`` decodes the kept payload
+    (as the server would have); one that no longer decodes (saved state from another
+    codec) is dropped with a warning.
     """
     given_back = 0.0
     if (state.unconfirmed_round is not None and outcomes
             and outcomes.get(state.unconfirmed_round) is False
             and isinstance(state.feedback, ErrorFeedback)):
-        state.feedback.give_back(state.unconfirmed)
-        given_back = update_norm(state.unconfirmed)
-    state.unconfirmed, state.unconfirmed_round = {}, None
+        try:
+            lost = unpack_payload(state.unconfirmed, expected=expected).tensors
+        except PayloadError as exc:
+            log.warning("dropping the unconfirmed update of round %d: %s",
+                        state.unconfirmed_round, exc)
+        else:
+            state.feedback.give_back(lost)
+            given_back = update_norm(lost)
+    state.unconfirmed, state.unconfirmed_round = b"", None
     return given_back
 
 
@@ -270,7 +278,7 @@ def run_client_round(
         delta = {k: v * np.float32(delta_scale) for k, v in delta.items()}
         feedback = NoFeedback()
 
-    given_back = settle_unconfirmed(state, outcomes)
+    given_back = settle_unconfirmed(state, outcomes, cfg.uplink_policy.expected(shapes))
     residual_in = (state.feedback.residual_norm()
                    if isinstance(state.feedback, ErrorFeedback) else 0.0)
     update = encode_update(
@@ -279,8 +287,7 @@ def run_client_round(
         meta={"round": server_round},
     )
     if isinstance(feedback, ErrorFeedback):  # a poisoned message leaves memory alone
-        state.unconfirmed = {k: np.array(to_numpy(v)[0], dtype=np.float32)
-                             for k, v in update.decoded.items()}
+        state.unconfirmed = update.payload
         state.unconfirmed_round = server_round
     metrics = {
         "num-examples": float(len(data)),

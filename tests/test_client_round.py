@@ -97,6 +97,7 @@ def test_an_update_the_server_did_not_apply_goes_back_into_the_residual():
 
     after_loss = restored()
     assert after_loss.unconfirmed_round == 1
+    assert after_loss.unconfirmed == first.payload  # kept as sent: a few kB, not a model
     lost = run_client_round(CFG, after_loss, server.message_for(0), data, server_round=2,
                             client_seed=0, outcomes={1: False})
     # What the residual was when round 2 began: round 1's residual plus everything
@@ -117,6 +118,6 @@ def test_an_update_the_server_did_not_apply_goes_back_into_the_residual():
             float(np.sqrt(sum(np.vdot(v, v) for v in residual.values()))), rel=1e-5)
     # A settled update is written as settled (round -1), so it never comes back.
     assert int(again.to_arrays()["unconfirmed"]["round"][0]) == 2
-    again.unconfirmed, again.unconfirmed_round = {}, None
+    again.unconfirmed, again.unconfirmed_round = b"", None
     assert ClientState.from_arrays(CFG, again.to_arrays(),
                                    model_shapes("digits")).unconfirmed_round is None
