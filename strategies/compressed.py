@@ -294,14 +294,15 @@ class CompressedFedAvg(FedAvg):
         stats.record.rejected += len(result.rejected)
         for reason, count in result.rejected_by_reason.items():
             stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + count
+        applied: list[int] = []  # an abandoned round applies no one's update
         if result.mean_delta is not None and len(result.accepted) >= self.cfg.min_clients:
             target = self.optimizer.step(self.broadcaster.model, result.mean_delta)
             self.broadcaster.publish(target)
-            self.outcomes.record(server_round, self._sent, result.accepted)
+            applied = result.accepted
         else:
-            self.outcomes.record(server_round, self._sent, ())
             log.warning("round %d: %d accepted updates (< min-clients %d); the model is "
                         "unchanged", server_round, len(result.accepted), self.cfg.min_clients)
+        self.outcomes.record(server_round, self._sent, applied)
         self.stats[server_round] = stats
         arrays = self.current_arrays()
         metrics = MetricRecord({"clients-ok": stats.record.clients_ok,
