@@ -20,7 +20,7 @@ from typing import Any
 from fedcomp.errors import SpecError
 from fedcomp.faults import FAULT_KINDS, FaultPlan
 from fedcomp.pipeline import Pipeline
-from fedcomp.policy import CompressionPolicy
+from fedcomp.policy import CompressionPolicy, parse_overrides
 
 __all__ = ["RunConfig", "config_key"]
 
@@ -63,8 +63,10 @@ class RunConfig:
     codec: str = "topk:ratio=0.01|quant:bits=4"
     small_codec: str = "none"
     min_numel: int = 1024
+    codec_overrides: str = ""
     feedback: str = "ef"
     downlink_codec: str = "none"
+    downlink_codec_overrides: str = ""
     downlink_history: int = 1000
     shared_init: bool = True
     server_optimizer: str = "sgd"
@@ -160,9 +162,16 @@ class RunConfig:
             self.fault_plan  # noqa: B018  (validates the fault probabilities)
         except ValueError as exc:
             raise SpecError(f"run config fault-*: {exc}") from None
+        overrides = []
+        for name in ("codec_overrides", "downlink_codec_overrides"):
+            try:
+                overrides.append(parse_overrides(getattr(self, name)))
+            except SpecError as exc:
+                raise SpecError(f"run config {config_key(name)!r}: {exc}") from None
         object.__setattr__(self, "_policies", (
-            CompressionPolicy(self.codec, self.small_codec, self.min_numel),
-            CompressionPolicy(self.downlink_codec, self.small_codec, self.min_numel),
+            CompressionPolicy(self.codec, self.small_codec, self.min_numel, overrides[0]),
+            CompressionPolicy(self.downlink_codec, self.small_codec, self.min_numel,
+                              overrides[1]),
         ))
 
     @classmethod
@@ -204,6 +213,11 @@ class RunConfig:
         out["codec-config"] = Pipeline.parse(self.codec).get_config()
         out["small-codec-config"] = Pipeline.parse(self.small_codec).get_config()
         out["downlink-codec-config"] = Pipeline.parse(self.downlink_codec).get_config()
+        for key, policy in (("codec-overrides-config", self.uplink_policy),
+                            ("downlink-codec-overrides-config", self.downlink_policy)):
+            if policy.overrides:
+                out[key] = [[pattern, Pipeline.parse(spec).get_config()]
+                            for pattern, spec in policy.overrides]
         return out
 
     def digest(self) -> str:

@@ -133,10 +133,10 @@ class CompressedFedAvg(FedAvg):
                           if not (v == "" and defaults.get(k) == "")}
 
     def summary(self) -> None:
-        log.info("CompressedFedAvg: uplink %s, downlink %s, small tensors %s (< %d), "
-                 "feedback %s, server optimizer %s (lr %g)", self.cfg.codec,
-                 self.cfg.downlink_codec, self.cfg.small_codec, self.cfg.min_numel,
-                 self.cfg.feedback, self.cfg.server_optimizer, self.cfg.server_lr)
+        log.info("CompressedFedAvg: uplink %s, downlink %s, feedback %s, server optimizer "
+                 "%s (lr %g)", self.cfg.uplink_policy.description,
+                 self.cfg.downlink_policy.description, self.cfg.feedback,
+                 self.cfg.server_optimizer, self.cfg.server_lr)
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, grid: Grid) -> list[int]:
