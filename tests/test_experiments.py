@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -44,3 +46,43 @@ def test_support_overlap_measures_shares_of_the_compressed_energy(capsys):
     # S plus a third of the client's own Top-K can only add to S alone.
     assert support_plus > on_support
     assert "own top-0.3%" in capsys.readouterr().out
+
+
+def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
+    pilot = _load("uplink_pilot")
+    common = ["--dataset", "digits", "--rounds", "2", "--clients", "4", "--per-round", "2",
+              "--eval-every", "1", "--codec", "topk:ratio=0.05|quant:bits=4"]
+    curve = pilot.main([*common, "--json", str(tmp_path / "p.json")])
+    assert [r for r, _, _ in curve] == [1, 2]
+    assert 0.0 <= curve[-1][1] <= 1.0 and 0 < curve[0][2] < curve[1][2]
+    assert json.loads((tmp_path / "p.json").read_text())["curve"][-1][0] == 2
+    # conv2 in its own payload costs one more envelope; the retrained variant runs.
+    split = pilot.main([*common, "--conv2-codec", "fp16", "--retrain-steps", "2",
+                        "--feedback", "none"])
+    assert split[-1][2] > curve[-1][2]
+    assert "best accuracy" in capsys.readouterr().out
+
+
+def test_retraining_moves_only_the_support_and_keeps_the_rest_for_the_memory():
+    pilot = _load("uplink_pilot")
+    from fedcomp.data import load_dataset
+    from fedcomp.models import build_model
+    from fedcomp.training import state_arrays
+
+    data, _ = load_dataset("digits")
+    model = build_model("digits", seed=0)
+    start = state_arrays(model)
+    rng = np.random.default_rng(0)
+    trained = {k: v + 0.01 * rng.standard_normal(v.shape).astype(np.float32)
+               for k, v in start.items()}
+    masks = {"conv2.weight": rng.random(start["conv2.weight"].shape) < 0.1}
+    delta = pilot._retrain_on_support(model, start, trained, masks, data, steps=3, seed=1)
+    mask = masks["conv2.weight"]
+    first_pass = trained["conv2.weight"] - start["conv2.weight"]
+    # Off the support: exactly the first pass's delta (for error feedback to keep).
+    np.testing.assert_array_equal(delta["conv2.weight"][~mask], first_pass[~mask])
+    # On it: retrained, so no longer the first pass's values.
+    assert not np.allclose(delta["conv2.weight"][mask], first_pass[mask])
+    # The model itself moved only on the support.
+    after = state_arrays(model)["conv2.weight"]
+    np.testing.assert_array_equal(after[~mask], start["conv2.weight"][~mask])

@@ -1,0 +1,177 @@
+"""Where does a Top-K uplink lose accuracy? Quick in-process pilots, no Flower.
+
+The headline's sparse configurations lose 2-3 points against FedAvg (experiments/
+RESULTS.md). Finding out why needs variants a sweep cannot express (the same update
+sent with and without error feedback, with fp32 or 4-bit values, retrained on its
+support), so this script runs the headline's setting in one process: Fashion-MNIST,
+the 28x28 CNN, 100 Dirichlet(0.3) clients, 10 a round, SGD lr 0.05 momentum 0.9
+batch 32. Each round every sampled client trains with :func:`fedcomp.training.train`
+from the global model, compresses its delta with :func:`fedcomp.policy.encode_update`
+and its own error-feedback memory, and the server steps its
+:class:`~fedcomp.server_opt.ServerOptimizer` with the example-weighted mean of the
+decoded updates.
+
+It is a pilot, not the benchmark: the downlink is the full model, the sampling is
+its own seeded draw (not the sweep's), and there is no wire, Flower or fault path.
+Use it to choose what to run through ``fedcomp sweep``.
+
+    .venv/bin/python experiments/uplink_pilot.py --codec "topk:ratio=0.003|quant:bits=4" \\
+        --server-optimizer adam --server-lr 0.01 --json pilot.json
+
+``--feedback none`` drops error feedback. ``--overrides`` takes the run config's
+``codec-overrides`` string. ``--conv2-codec`` sends ``conv2.weight`` in a second
+payload with its own codec and memory (how the first per-layer pilots ran, before
+overrides existed; both payloads are counted). ``--retrain-steps N`` picks each
+client's Top-K support of delta + residual for the tensors whose codec starts with
+``topk``, resets the other coordinates to the global model and trains N more steps on
+the support only (gradients masked), so the kept values make up for the dropped ones.
+``--dataset digits`` runs on the small built-in dataset (tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+from fedcomp.data import load_dataset, partition_indices
+from fedcomp.feedback import ErrorFeedback, NoFeedback
+from fedcomp.models import build_model
+from fedcomp.policy import CompressionPolicy, encode_update, parse_overrides
+from fedcomp.server_opt import ServerOptimizer
+from fedcomp.training import evaluate, state_arrays, train
+
+
+def _topk_masks(delta: dict[str, np.ndarray], memory: ErrorFeedback | NoFeedback,
+                policy: CompressionPolicy) -> dict[str, np.ndarray]:
+    """Each Top-K tensor's support: the k largest magnitudes of delta + residual."""
+    masks = {}
+    residual = memory.memory if isinstance(memory, ErrorFeedback) else {}
+    for name, value in delta.items():
+        stages = policy.pipeline_for(value.shape, name).get_config()["stages"]
+        if not stages or stages[0]["id"] != "topk":
+            continue
+        full = (value + residual.get(name, 0.0)).ravel()
+        k = min(full.size, stages[0]["k"] or max(1, round(stages[0]["ratio"] * full.size)))
+        mask = np.zeros(full.size, dtype=bool)
+        mask[np.argpartition(np.abs(full), -k)[-k:]] = True
+        masks[name] = mask.reshape(value.shape)
+    return masks
+
+
+def _retrain_on_support(model: torch.nn.Module, start: dict[str, np.ndarray],
+                        trained: dict[str, np.ndarray], masks: dict[str, np.ndarray],
+                        data, steps: int, seed: int) -> dict[str, np.ndarray]:
+    """Train ``steps`` more steps with only the masked coordinates free to move."""
+    weights = {k: np.where(masks[k], trained[k], start[k]) if k in masks else trained[k]
+               for k in start}
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in weights.items()})
+    params = dict(model.named_parameters())
+    frozen = {k: torch.from_numpy(m) for k, m in masks.items()}
+    hooks = [params[k].register_hook(lambda g, m=m: g * m) for k, m in frozen.items()]
+    try:
+        train(model, data.x, data.y, steps=steps, lr=0.05, momentum=0.9, seed=seed)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    after = state_arrays(model)
+    # The off-support part of the first pass still goes to the error-feedback memory.
+    return {k: after[k] - start[k] + (np.where(masks[k], 0.0, trained[k] - start[k])
+                                      if k in masks else 0.0) for k in start}
+
+
+def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
+    """Run one pilot; return (round, accuracy, cumulative uplink bytes) per evaluation."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--codec", default="topk:ratio=0.003|quant:bits=4")
+    parser.add_argument("--small-codec", default="fp16")
+    parser.add_argument("--overrides", default="", help="as the run config's codec-overrides")
+    parser.add_argument("--conv2-codec", default="")
+    parser.add_argument("--feedback", default="ef", choices=["ef", "none"])
+    parser.add_argument("--server-optimizer", default="sgd")
+    parser.add_argument("--server-lr", type=float, default=1.0)
+    parser.add_argument("--local-epochs", type=int, default=1)
+    parser.add_argument("--retrain-steps", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--clients", type=int, default=100)
+    parser.add_argument("--per-round", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "digits"])
+    parser.add_argument("--json", default="", help="write the arguments and curve here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    train_set, test_set = load_dataset(args.dataset)
+    parts = partition_indices(train_set.y, args.clients, "dirichlet", alpha=0.3,
+                              seed=args.seed)
+    data = [train_set.subset(np.sort(p)) for p in parts]
+    model = build_model(args.dataset, seed=args.seed)
+    global_model = state_arrays(model)
+    policy = CompressionPolicy(args.codec, args.small_codec,
+                               overrides=parse_overrides(args.overrides))
+    conv2 = CompressionPolicy(args.conv2_codec) if args.conv2_codec else None
+    memories: dict[tuple[int, str], ErrorFeedback | NoFeedback] = {}
+
+    def memory(client: int, part: str) -> ErrorFeedback | NoFeedback:
+        if (client, part) not in memories:
+            memories[client, part] = (ErrorFeedback(part) if args.feedback == "ef"
+                                      else NoFeedback())
+        return memories[client, part]
+
+    server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr)
+    rng = np.random.default_rng(args.seed)
+    uplink, curve, started = 0, [], time.perf_counter()
+    for rnd in range(1, args.rounds + 1):
+        total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_model.items()}
+        weight = 0
+        for client in (int(c) for c in rng.choice(args.clients, args.per_round,
+                                                  replace=False)):
+            if len(data[client]) == 0:
+                continue
+            model.load_state_dict({k: torch.from_numpy(v.copy())
+                                   for k, v in global_model.items()})
+            seed = client * 100_003 + rnd
+            train(model, data[client].x, data[client].y, epochs=args.local_epochs,
+                  lr=0.05, momentum=0.9, seed=seed)
+            trained = state_arrays(model)
+            delta = {k: trained[k] - global_model[k] for k in global_model}
+            if args.retrain_steps > 0:
+                masks = _topk_masks(delta, memory(client, "main"), policy)
+                delta = _retrain_on_support(model, global_model, trained, masks,
+                                            data[client], args.retrain_steps, seed + 7)
+            decoded: dict[str, np.ndarray] = {}
+            if conv2 is not None:
+                extra = encode_update({"conv2.weight": delta.pop("conv2.weight")}, conv2,
+                                      feedback=memory(client, "conv2"),
+                                      rng=np.random.default_rng([args.seed, client, rnd, 1]))
+                uplink += extra.nbytes
+                decoded.update(extra.decoded)
+            update = encode_update(delta, policy, feedback=memory(client, "main"),
+                                   rng=np.random.default_rng([args.seed, client, rnd]))
+            uplink += update.nbytes
+            decoded.update(update.decoded)
+            for name, value in decoded.items():
+                total[name] += len(data[client]) * np.asarray(value, dtype=np.float64)
+            weight += len(data[client])
+        if weight:
+            mean = {k: (v / weight).astype(np.float32) for k, v in total.items()}
+            global_model = server.step(global_model, mean)
+        if rnd % args.eval_every == 0 or rnd == args.rounds:
+            model.load_state_dict({k: torch.from_numpy(v.copy())
+                                   for k, v in global_model.items()})
+            accuracy, _ = evaluate(model, test_set.x, test_set.y)
+            curve.append((rnd, accuracy, uplink))
+            print(f"round {rnd:4d}  accuracy {accuracy:.4f}  uplink {uplink / 1e6:7.2f} MB "
+                  f"({uplink / rnd / args.per_round / 1e3:.2f} kB a client)  "
+                  f"{time.perf_counter() - started:5.0f} s", flush=True)
+    print(f"best accuracy {max(a for _, a, _ in curve):.4f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"args": vars(args), "curve": curve}, fh, indent=1)
+    return curve
+
+if __name__ == "__main__":
+    main()
