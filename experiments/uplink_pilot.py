@@ -25,6 +25,10 @@ overrides existed; both payloads are counted). ``--retrain-steps N`` picks each
 client's Top-K support of delta + residual for the tensors whose codec starts with
 ``topk``, resets the other coordinates to the global model and trains N more steps on
 the support only (gradients masked), so the kept values make up for the dropped ones.
+``--shared-support R`` tries time-correlated sparsification (Ozfatura et al., 2021):
+the server's support is the top R of its last mean update's magnitudes for
+``--shared-tensors``; clients send their values there with ``--shared-codec`` and
+no indices (a second payload, counted), and their own codec on the rest.
 ``--dataset digits`` runs on the small built-in dataset (tests).
 """
 
@@ -95,6 +99,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--server-lr", type=float, default=1.0)
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--retrain-steps", type=int, default=0)
+    parser.add_argument("--shared-support", type=float, default=0.0)
+    parser.add_argument("--shared-codec", default="quant:bits=4")
+    parser.add_argument("--shared-tensors", default="fc1.weight")
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=10)
@@ -121,6 +128,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                                       else NoFeedback())
         return memories[client, part]
 
+    shared_policy = CompressionPolicy(args.shared_codec, args.shared_codec)
+    shared_names = [n for n in args.shared_tensors.split(",") if n]
+    support: dict[str, np.ndarray] = {}
     server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr)
     rng = np.random.default_rng(args.seed)
     uplink, curve, started = 0, [], time.perf_counter()
@@ -143,6 +153,21 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                 delta = _retrain_on_support(model, global_model, trained, masks,
                                             data[client], args.retrain_steps, seed + 7)
             decoded: dict[str, np.ndarray] = {}
+            on_support = {}
+            if support:
+                values = {}
+                for name, where in support.items():
+                    flat = delta[name].reshape(-1).copy()
+                    values[name] = flat[where]
+                    flat[where] = 0.0  # the own codec sends the rest
+                    delta[name] = flat.reshape(delta[name].shape)
+                shared = encode_update(values, shared_policy,
+                                       rng=np.random.default_rng([args.seed, client, rnd, 2]))
+                uplink += shared.nbytes
+                for name, where in support.items():
+                    full = np.zeros(delta[name].size, dtype=np.float32)
+                    full[where] = shared.decoded[name]
+                    on_support[name] = full.reshape(delta[name].shape)
             if conv2 is not None:
                 extra = encode_update({"conv2.weight": delta.pop("conv2.weight")}, conv2,
                                       feedback=memory(client, "conv2"),
@@ -154,11 +179,17 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
             uplink += update.nbytes
             decoded.update(update.decoded)
             for name, value in decoded.items():
-                total[name] += len(data[client]) * np.asarray(value, dtype=np.float64)
+                value = np.asarray(value, dtype=np.float64) + on_support.get(name, 0.0)
+                total[name] += len(data[client]) * value
             weight += len(data[client])
         if weight:
             mean = {k: (v / weight).astype(np.float32) for k, v in total.items()}
             global_model = server.step(global_model, mean)
+            if args.shared_support > 0:
+                for name in shared_names:
+                    magnitude = np.abs(mean[name]).ravel()
+                    k = max(1, round(args.shared_support * magnitude.size))
+                    support[name] = np.sort(np.argpartition(magnitude, -k)[-k:])
         if rnd % args.eval_every == 0 or rnd == args.rounds:
             model.load_state_dict({k: torch.from_numpy(v.copy())
                                    for k, v in global_model.items()})

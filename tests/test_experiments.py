@@ -60,6 +60,10 @@ def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
     split = pilot.main([*common, "--conv2-codec", "fp16", "--retrain-steps", "2",
                         "--feedback", "none"])
     assert split[-1][2] > curve[-1][2]
+    # From round 2 the shared support's values travel in a second payload too.
+    shared = pilot.main([*common, "--shared-support", "0.5", "--shared-tensors",
+                         "conv2.weight"])
+    assert shared[0][2] == curve[0][2] and shared[1][2] > curve[1][2]
     assert "best accuracy" in capsys.readouterr().out
 
 
