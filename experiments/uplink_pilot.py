@@ -41,7 +41,6 @@ import time
 import numpy as np
 import torch
 
-from fedcomp.codecs.sparsify import select_top_k
 from fedcomp.data import load_dataset, partition_indices
 from fedcomp.feedback import ErrorFeedback, NoFeedback
 from fedcomp.models import build_model
@@ -59,10 +58,10 @@ def _topk_masks(delta: dict[str, np.ndarray], memory: ErrorFeedback | NoFeedback
         stages = policy.pipeline_for(value.shape, name).get_config()["stages"]
         if not stages or stages[0]["id"] != "topk":
             continue
-        full = np.asarray(value + residual.get(name, 0.0), dtype=np.float32).ravel()
+        full = (value + residual.get(name, 0.0)).ravel()
         k = min(full.size, stages[0]["k"] or max(1, round(stages[0]["ratio"] * full.size)))
         mask = np.zeros(full.size, dtype=bool)
-        mask[select_top_k(full, k)] = True  # the codec's own selection
+        mask[np.argpartition(np.abs(full), -k)[-k:]] = True
         masks[name] = mask.reshape(value.shape)
     return masks
 
@@ -188,8 +187,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
             global_model = server.step(global_model, mean)
             if args.shared_support > 0:
                 for name in shared_names:
-                    k = max(1, round(args.shared_support * mean[name].size))
-                    support[name] = select_top_k(mean[name].ravel(), k)
+                    magnitude = np.abs(mean[name]).ravel()
+                    k = max(1, round(args.shared_support * magnitude.size))
+                    support[name] = np.sort(np.argpartition(magnitude, -k)[-k:])
         if rnd % args.eval_every == 0 or rnd == args.rounds:
             model.load_state_dict({k: torch.from_numpy(v.copy())
                                    for k, v in global_model.items()})
