@@ -150,8 +150,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
             delta = {k: trained[k] - global_model[k] for k in global_model}
             if args.retrain_steps > 0:
                 masks = _topk_masks(delta, memory(client, "main"), policy)
+                # The retraining pass shuffles with its own seed (as the recorded runs did).
                 delta = _retrain_on_support(model, global_model, trained, masks,
-                                            data[client], args.retrain_steps, seed + 7)
+                                            data[client], args.retrain_steps, client * 7 + rnd)
             decoded: dict[str, np.ndarray] = {}
             on_support = {}
             if support:
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                 for name in shared_names:
                     magnitude = np.abs(mean[name]).ravel()
                     k = max(1, round(args.shared_support * magnitude.size))
+                    # argpartition's tie-breaking is what the recorded pilot used.
                     support[name] = np.sort(np.argpartition(magnitude, -k)[-k:])
         if rnd % args.eval_every == 0 or rnd == args.rounds:
             model.load_state_dict({k: torch.from_numpy(v.copy())
