@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from fedcomp.wire import MAGIC
+from fedcomp.wire import MAGIC, known_layout_dictionary
 
 __all__ = ["MUTATIONS", "assemble", "mutate", "split"]
 
@@ -27,9 +27,15 @@ _PREFIX = struct.Struct("<4sBBHIII")
 
 def split(payload: bytes) -> tuple[dict[str, Any], bytes]:
     """Return (header object, body bytes) of a valid payload."""
-    _, _, flags, _, header_len, _, body_len = _PREFIX.unpack(payload[: _PREFIX.size])
+    _, _, flags, check, header_len, _, body_len = _PREFIX.unpack(payload[: _PREFIX.size])
     stored = payload[_PREFIX.size: _PREFIX.size + header_len]
-    raw = zstandard.ZstdDecompressor().decompress(stored) if flags & 1 else stored
+    if flags & 2:  # against a layout dictionary: one this process built (it packed it)
+        dictionary = known_layout_dictionary(check)
+        if dictionary is None:
+            raise ValueError(f"no layout dictionary with check {check:#06x} was built here")
+        raw = zstandard.ZstdDecompressor(dict_data=dictionary.zstd).decompress(stored)
+    else:
+        raw = zstandard.ZstdDecompressor().decompress(stored) if flags & 1 else stored
     body = payload[_PREFIX.size + header_len: _PREFIX.size + header_len + body_len]
     return json.loads(raw), bytes(body)
 

@@ -156,8 +156,13 @@ def encode_update(
     rng: np.random.Generator,
     feedback: FeedbackMemory | None = None,
     meta: Mapping[str, Any] | None = None,
+    layout_dictionary: bool = True,
 ) -> EncodedUpdate:
     """Compress every tensor of an update (with error feedback) into one payload.
+
+    The header is compressed against the layout dictionary (names, shapes and
+    pipelines the receiver expects; see :mod:`fedcomp.wire`) unless
+    ``layout_dictionary`` is false.
 
     Returns the payload, the values the receiver will decode (for the caller's own
     bookkeeping, e.g. a downlink replica), and the encode time.
@@ -173,5 +178,5 @@ def encode_update(
         root, decoded[name] = memory.compress(name, value, pipeline, rng)
         encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root))
         numel += array.size
-    payload = pack_payload(encoded, meta)
+    payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary)
     return EncodedUpdate(payload, decoded, time.perf_counter() - start, numel)

@@ -12,7 +12,13 @@ from fedcomp.errors import PayloadError
 from fedcomp.fuzzing import assemble, split
 from fedcomp.pipeline import Pipeline
 from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import OVERHEAD_BYTES, ExpectedTensor, pack_payload, unpack_payload
+from fedcomp.wire import (
+    OVERHEAD_BYTES,
+    ExpectedTensor,
+    layout_dictionary,
+    pack_payload,
+    unpack_payload,
+)
 
 SHAPES = {"conv.weight": (16, 1, 3, 3), "conv.bias": (16,), "fc.weight": (10, 400)}
 POLICY = CompressionPolicy(codec="topk:ratio=0.05|quant:bits=4", min_numel=100)
@@ -51,7 +57,69 @@ def test_payload_size_is_framing_plus_header_plus_body():
 
 def test_headers_are_compressed_only_when_that_is_smaller():
     assert pack_payload([])[5] == 0  # flags: a 40-byte header does not shrink
-    assert _update()[5] == 1
+    rng = np.random.default_rng(0)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    plain = encode_update(tensors, POLICY, rng=rng, layout_dictionary=False).payload
+    assert plain[5] == 1 and struct.unpack_from("<H", plain, 6)[0] == 0
+
+
+def _header_len(payload: bytes) -> int:
+    return struct.unpack_from("<I", payload, 8)[0]
+
+
+def test_the_layout_dictionary_shrinks_the_header_and_decodes_to_the_same_values():
+    rng = np.random.default_rng(3)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    plain = encode_update(tensors, POLICY, rng=np.random.default_rng(1), meta={"round": 4},
+                          layout_dictionary=False)
+    packed = encode_update(tensors, POLICY, rng=np.random.default_rng(1), meta={"round": 4})
+    assert packed.payload[5] == 3
+    assert struct.unpack_from("<H", packed.payload, 6)[0] == (
+        layout_dictionary(POLICY.expected(SHAPES)).check)
+    # Same body, a header at most a third the size of plain zstd's.
+    assert len(plain.payload) - len(packed.payload) == (
+        _header_len(plain.payload) - _header_len(packed.payload))
+    assert 3 * _header_len(packed.payload) < _header_len(plain.payload)
+    a, b = _decode(plain.payload), _decode(packed.payload)
+    assert a.meta == b.meta == {"round": 4}
+    for name in SHAPES:
+        np.testing.assert_array_equal(a.tensors[name], b.tensors[name])
+
+
+def test_the_layout_dictionary_depends_on_names_shapes_and_specs_not_on_order():
+    expected = POLICY.expected(SHAPES)
+    reordered = dict(reversed(list(expected.items())))
+    assert layout_dictionary(reordered).check == layout_dictionary(expected).check
+    other_shapes = {**SHAPES, "fc.weight": (10, 401)}
+    other_codec = CompressionPolicy(codec="topk:ratio=0.05|quant:bits=3", min_numel=100)
+    checks = {layout_dictionary(expected).check,
+              layout_dictionary(POLICY.expected(other_shapes)).check,
+              layout_dictionary(other_codec.expected(SHAPES)).check}
+    assert len(checks) == 3
+
+
+def test_a_receiver_with_another_layout_rejects_the_payload_as_a_codec_mismatch():
+    payload = _update()
+    other = CompressionPolicy(codec="topk:ratio=0.05|quant:bits=3", min_numel=100)
+    with pytest.raises(PayloadError, match="another layout") as info:
+        unpack_payload(payload, expected=other.expected(SHAPES))
+    assert info.value.reason == "codec" and "quant:bits=3" in str(info.value)
+    # A receiver that was not told what to expect cannot rebuild the dictionary.
+    assert _reason(payload, unchecked=True) == "codec"
+    # A dictionary flag without zstd, or a check without the flag, is not a format we know.
+    header, body = split(payload)
+    forged = bytearray(assemble(header, body))
+    forged[6] = 7
+    assert _reason(_recrc(bytes(forged))) == "version"
+    forged = bytearray(payload)
+    forged[5] = 2
+    assert _reason(_recrc(bytes(forged))) == "version"
+
+
+def _recrc(payload: bytes) -> bytes:
+    import zlib
+    body = payload[:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
 
 
 def _reason(payload: bytes, **kwargs) -> str:

@@ -4,7 +4,10 @@ Run once per format version: ``python -m tests.golden.generate``. The files it
 writes are committed and never regenerated for an existing version; the test
 ``tests/test_golden.py`` checks that the current code still decodes each of them to
 the stored values (backwards compatibility, as numcodecs' frozen fixtures do).
-Re-running it only adds files that do not exist yet.
+Re-running it only adds files that do not exist yet. Every case is written twice:
+``v1-NAME`` with a plain zstd header and ``v1-layout-NAME`` with the header
+compressed against the layout dictionary (which the receiver rebuilds from the
+codecs, so a codec change that alters the reference header shows up here).
 """
 
 from __future__ import annotations
@@ -37,19 +40,26 @@ CASES = {
 def main() -> None:
     manifest_path = HERE / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    for index, (name, (codec, small)) in enumerate(CASES.items()):
-        key = f"v1-{name}"
-        if key in manifest:
-            continue
-        rng = np.random.default_rng(1000 + index)
-        tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-        policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64)
-        update = encode_update(tensors, policy, rng=rng, meta={"round": index})
-        (HERE / f"{key}.bin").write_bytes(update.payload)
-        np.savez(HERE / f"{key}.npz", **update.decoded)
-        manifest[key] = {"codec": codec, "small_codec": small, "min_numel": 64,
-                         "shapes": SHAPES, "meta": {"round": index}}
+    for with_layout in (False, True):
+        for index, (name, (codec, small)) in enumerate(CASES.items()):
+            _write_case(manifest, index, name, codec, small, with_layout)
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _write_case(manifest: dict, index: int, name: str, codec: str, small: str,
+                with_layout: bool) -> None:
+    key = f"v1-layout-{name}" if with_layout else f"v1-{name}"
+    if key in manifest:
+        return
+    rng = np.random.default_rng(1000 + index)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64)
+    update = encode_update(tensors, policy, rng=rng, meta={"round": index},
+                           layout_dictionary=with_layout)
+    (HERE / f"{key}.bin").write_bytes(update.payload)
+    np.savez(HERE / f"{key}.npz", **update.decoded)
+    manifest[key] = {"codec": codec, "small_codec": small, "min_numel": 64,
+                     "shapes": SHAPES, "meta": {"round": index}}
 
 
 if __name__ == "__main__":
