@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--feedback", default="ef", choices=["ef", "none"])
     parser.add_argument("--server-optimizer", default="sgd")
     parser.add_argument("--server-lr", type=float, default=1.0)
+    parser.add_argument("--server-lr-schedule", default="constant", choices=["constant", "cosine"])
+    parser.add_argument("--server-lr-final", type=float, default=0.0)
     parser.add_argument("--local-epochs", type=int, default=1)
     parser.add_argument("--retrain-steps", type=int, default=0)
     parser.add_argument("--shared-support", type=float, default=0.0)
@@ -131,7 +133,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     shared_policy = CompressionPolicy(args.shared_codec, args.shared_codec)
     shared_names = [n for n in args.shared_tensors.split(",") if n]
     support: dict[str, np.ndarray] = {}
-    server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr)
+    server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr,
+                             schedule=args.server_lr_schedule, lr_final=args.server_lr_final,
+                             total_steps=args.rounds)
     rng = np.random.default_rng(args.seed)
     uplink, curve, started = 0, [], time.perf_counter()
     for rnd in range(1, args.rounds + 1):

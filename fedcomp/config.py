@@ -31,6 +31,7 @@ _CHOICES = {
     # server to keep every client's estimate and aggregate estimates, not updates.
     "feedback": ("ef", "none"),
     "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
+    "server_lr_schedule": ("constant", "cosine"),
     "norm_action": ("reject", "clip"),
     "dp": ("none", "client", "sample"),
 }
@@ -75,6 +76,8 @@ class RunConfig:
     server_beta1: float = 0.9
     server_beta2: float = 0.99
     server_tau: float = 1e-3
+    server_lr_schedule: str = "constant"
+    server_lr_final: float = 0.0
     round_timeout: float = 600.0
     eval_every: int = 1
     norm_bound: float = 0.0
@@ -131,7 +134,7 @@ class RunConfig:
                 raise SpecError(f"run config {config_key(name)!r} must be >= 1, "
                                 f"got {getattr(self, name)!r}")
         non_negative = ("local_epochs", "local_steps", "clients_per_round", "min_numel",
-                        "lr", "proximal_mu", "server_lr", "dirichlet_alpha")
+                        "lr", "proximal_mu", "server_lr", "server_lr_final", "dirichlet_alpha")
         for name in non_negative:
             if getattr(self, name) < 0:
                 raise SpecError(f"run config {config_key(name)!r} must be >= 0, "

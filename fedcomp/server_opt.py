@@ -5,10 +5,17 @@ learning rate (``server-lr = 1`` is FedAvg); ``momentum`` is FedAvgM (Hsu et al.
 2019); ``adam`` and ``yogi`` are FedAdam and FedYogi. State (momentum, moments) is
 created lazily per tensor and saved by :meth:`ServerOptimizer.state_dict` for
 checkpoints. Arithmetic stays in float32, like the model.
+
+The server learning rate may follow a cosine schedule from ``lr`` down to ``lr_final``
+over ``total_steps`` rounds (Loshchilov and Hutter, 2017). FedAdam's steps are nearly
+sign-sized whatever the update's magnitude, so with sparse updates its constant step
+is also a constant noise floor late in training; annealing it is how centralized
+training removes that floor.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -17,6 +24,7 @@ import numpy as np
 __all__ = ["ServerOptimizer"]
 
 KINDS = ("sgd", "momentum", "adam", "yogi")
+SCHEDULES = ("constant", "cosine")
 
 
 @dataclass
@@ -33,6 +41,9 @@ class ServerOptimizer:
         FedAvgM's momentum.
     beta1, beta2, tau
         Adam/Yogi moment decay rates and the adaptivity floor added to ``sqrt(v)``.
+    schedule, lr_final, total_steps
+        ``constant`` keeps ``lr``; ``cosine`` anneals it to ``lr_final`` at step
+        ``total_steps`` (and keeps ``lr_final`` after).
     """
 
     kind: str = "sgd"
@@ -41,12 +52,27 @@ class ServerOptimizer:
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
+    schedule: str = "constant"
+    lr_final: float = 0.0
+    total_steps: int = 1
     state: dict[str, np.ndarray] = field(default_factory=dict)
     steps: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown server optimizer {self.kind!r}; choose {', '.join(KINDS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown server learning-rate schedule {self.schedule!r}; "
+                             f"choose {', '.join(SCHEDULES)}")
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (1-based, as :attr:`steps` after it)."""
+        if self.schedule == "constant":
+            return self.lr
+        progress = min(max(step - 1, 0) / max(self.total_steps - 1, 1), 1.0)
+        return self.lr_final + 0.5 * (self.lr - self.lr_final) * (1 + math.cos(math.pi * progress))
 
     def _slot(self, key: str, like: np.ndarray, fill: float = 0.0) -> np.ndarray:
         if key not in self.state:
@@ -56,9 +82,9 @@ class ServerOptimizer:
     def step(self, model: Mapping[str, np.ndarray],
              delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Return the new model (the inputs are not modified)."""
-        lr = np.float32(self.lr)
-        out: dict[str, np.ndarray] = {}
         self.steps += 1
+        lr = np.float32(self.lr_at(self.steps))
+        out: dict[str, np.ndarray] = {}
         for name, w in model.items():
             d = np.asarray(delta[name], dtype=np.float32)
             if self.kind == "sgd":

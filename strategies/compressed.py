@@ -89,7 +89,9 @@ class CompressedFedAvg(FedAvg):
                                        history=cfg.downlink_history, seed=cfg.seed)
         self.optimizer = ServerOptimizer(
             cfg.server_optimizer, lr=cfg.server_lr, momentum=cfg.server_momentum,
-            beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau)
+            beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
+            schedule=cfg.server_lr_schedule, lr_final=cfg.server_lr_final,
+            total_steps=cfg.num_server_rounds)
         self.expected = cfg.uplink_policy.expected(self.broadcaster.shapes)
         self.rng = np.random.default_rng([cfg.seed, 0x5A])
         #: The round each node's replica is known to be at (a lower bound).

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -49,3 +51,23 @@ def test_state_round_trips_and_bad_kind_is_named():
     np.testing.assert_array_equal(other.step(W, D2)["w"], opt.step(W, D2)["w"])
     with pytest.raises(ValueError, match="unknown server optimizer 'adagrad'"):
         ServerOptimizer("adagrad")
+
+
+def test_cosine_schedule_anneals_from_lr_to_lr_final_over_total_steps():
+    opt = ServerOptimizer("sgd", lr=0.02, schedule="cosine", lr_final=0.002, total_steps=5)
+    rates = [opt.lr_at(step) for step in range(1, 8)]
+    np.testing.assert_allclose(rates[0], 0.02)
+    np.testing.assert_allclose(rates[2], 0.011)  # halfway: the mean of the two
+    np.testing.assert_allclose(rates[4:], 0.002)  # the last step and after
+    assert all(a > b for a, b in itertools.pairwise(rates[:5]))
+    # The step uses the scheduled rate, and a resumed optimizer continues it.
+    w = W
+    for _ in range(3):
+        w = opt.step(w, D1)
+    np.testing.assert_allclose(w["w"], W["w"] + sum(rates[:3]) * D1["w"], rtol=1e-6)
+    resumed = ServerOptimizer("sgd", lr=0.02, schedule="cosine", lr_final=0.002, total_steps=5)
+    resumed.load_state_dict(opt.state_dict())
+    np.testing.assert_allclose(resumed.step(w, D1)["w"], w["w"] + rates[3] * D1["w"], rtol=1e-6)
+    assert ServerOptimizer("sgd", lr=0.3).lr_at(100) == 0.3  # constant by default
+    with pytest.raises(ValueError, match="schedule 'step'"):
+        ServerOptimizer("sgd", schedule="step")
