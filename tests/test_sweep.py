@@ -73,7 +73,7 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
         Sweep(base={"run-name": "x"}, grid={})
     assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 32  # 16 x 2
     local = Sweep.load(ROOT / "experiments/sweeps/local_epochs.toml").runs
-    assert len(local) == 6
+    assert len(local) == 8
     # Its 1-epoch FedAvg is the headline's run: same config, same id, so it is reused.
     headline_ids = {r.run_id for r in Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs}
     assert {r.run_id for r in local if r.values["method"] == "FedAvg fp32"} <= headline_ids
