@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--feedback", default="ef", choices=["ef", "none"])
     parser.add_argument("--server-optimizer", default="sgd")
     parser.add_argument("--server-lr", type=float, default=1.0)
+    parser.add_argument("--server-tau", type=float, default=1e-3)
     parser.add_argument("--server-lr-schedule", default="constant", choices=["constant", "cosine"])
     parser.add_argument("--server-lr-final", type=float, default=0.0)
     parser.add_argument("--local-epochs", type=int, default=1)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     shared_policy = CompressionPolicy(args.shared_codec, args.shared_codec)
     shared_names = [n for n in args.shared_tensors.split(",") if n]
     support: dict[str, np.ndarray] = {}
-    server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr,
+    server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr, tau=args.server_tau,
                              schedule=args.server_lr_schedule, lr_final=args.server_lr_final,
                              total_steps=args.rounds)
     rng = np.random.default_rng(args.seed)
