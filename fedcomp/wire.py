@@ -32,7 +32,7 @@ header of the 28x28 CNN's per-layer update is 1,435 bytes of JSON, 401 after zst
 both build the header that the same layout of tensors and pipelines produces for a
 fixed reference input (:func:`layout_dictionary`), and zstd compresses the real
 header against it as a raw-content dictionary, as zstd's dictionaries are meant for
-small records with shared structure: that header shrinks to about 30 bytes. The
+small records with shared structure: that header shrinks to about 60 bytes. The
 dictionary depends only on names, shapes and specs, not on the payload, so the
 receiver builds it from what it expects; its 16-bit checksum travels in the prefix
 and a receiver that expects another layout (another model or codec) rejects the
@@ -180,11 +180,18 @@ def _layout_key(items: Any) -> Layout:
 
 
 def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
-    # Deterministic and spread in magnitude (no RNG stream to drift between numpy
-    # versions): a low-discrepancy sequence in [-0.5, 0.5).
+    """The fixed input a layout's dictionary header is encoded from.
+
+    The dictionary must come out byte-identical on every machine, so the input holds
+    no RNG stream and, up to 2**24 elements, no two equal magnitudes: any correct
+    Top-K (numpy's introselect, or the SIMD sort some CPUs use) keeps the same
+    support. ``u = i * 2654435761 mod 2**24`` is a bijection on ``[0, 2**24)``
+    (an odd multiplier), spread over the range like a low-discrepancy sequence, and
+    ``(2**24 + u) / 2**25`` lies in ``[0.5, 1)``, where float32 represents it exactly.
+    """
     n = math.prod(shape)
-    values = (np.arange(n, dtype=np.float64) * 0.6180339887498949) % 1.0 - 0.5
-    return values.astype(np.float32).reshape(shape)
+    u = (np.arange(n, dtype=np.int64) * 2654435761) % (1 << 24)
+    return ((u + (1 << 24)) / float(1 << 25)).astype(np.float32).reshape(shape)
 
 
 _BUILT_BY_CHECK: dict[int, LayoutDictionary] = {}

@@ -275,3 +275,12 @@ def test_a_compressed_header_that_lies_about_its_size_is_rejected():
 def test_an_empty_update_round_trips():
     decoded = unpack_payload(pack_payload([], {"round": 1}))
     assert decoded.tensors == {} and decoded.meta == {"round": 1}
+
+
+def test_the_reference_input_has_distinct_magnitudes_so_every_top_k_agrees():
+    # The layout dictionary must be byte-identical on every machine: with no two equal
+    # magnitudes, any correct Top-K (whatever its tie-breaking) keeps the same support.
+    from fedcomp.wire import _reference_input
+    values = _reference_input((1 << 20,))
+    assert values.dtype == np.float32 and np.unique(np.abs(values)).size == values.size
+    np.testing.assert_array_equal(_reference_input((4, 5)).ravel(), _reference_input((20,)))
