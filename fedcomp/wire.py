@@ -47,7 +47,6 @@ problem raises :class:`~fedcomp.errors.PayloadError` and nothing else.
 
 from __future__ import annotations
 
-import functools
 import io
 import json
 import math
@@ -194,24 +193,21 @@ def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
     return ((u + (1 << 24)) / float(1 << 25)).astype(np.float32).reshape(shape)
 
 
-_BUILT_BY_CHECK: dict[int, LayoutDictionary] = {}
+#: Dictionaries built so far, by layout (a few per run: uplink, downlink, full model).
+_BUILT: dict[Layout, LayoutDictionary] = {}
+_MAX_BUILT = 32
 
 
-@functools.lru_cache(maxsize=32)
-def _cached_layout_dictionary(layout: Layout) -> LayoutDictionary:
+def _build_layout_dictionary(layout: Layout) -> LayoutDictionary:
     tensors = []
     for name, shape, spec in layout:
         pipeline = Pipeline.parse(spec)
         root = pipeline.encode(_reference_input(shape), rng=np.random.default_rng(0))
         tensors.append(EncodedTensor(name, shape, pipeline, root))
     raw = _header_bytes(tensors, None, [])
-    built = LayoutDictionary(
+    return LayoutDictionary(
         zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT),
         zlib.crc32(raw) & 0xFFFF, len(raw))
-    if len(_BUILT_BY_CHECK) >= 64:
-        _BUILT_BY_CHECK.pop(next(iter(_BUILT_BY_CHECK)))
-    _BUILT_BY_CHECK[built.check] = built
-    return built
 
 
 def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTensor],
@@ -225,13 +221,18 @@ def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTen
         items: Any = ((name, t.shape, t.pipeline.spec) for name, t in layout.items())
     else:
         items = ((t.name, t.shape, t.pipeline.spec) for t in layout)
-    return _cached_layout_dictionary(_layout_key(items))
+    key = _layout_key(items)
+    if key not in _BUILT:
+        if len(_BUILT) >= _MAX_BUILT:
+            _BUILT.pop(next(iter(_BUILT)))  # the oldest
+        _BUILT[key] = _build_layout_dictionary(key)
+    return _BUILT[key]
 
 
 def known_layout_dictionary(check: int) -> LayoutDictionary | None:
     """A layout dictionary built in this process with this check (test tooling only:
     :mod:`fedcomp.fuzzing` re-frames payloads without knowing their layout)."""
-    return _BUILT_BY_CHECK.get(check)
+    return next((d for d in _BUILT.values() if d.check == check), None)
 
 
 def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None = None,
