@@ -31,7 +31,11 @@ from fedcomp.wire import unpack_payload
 
 SPECS = ["topk:ratio=0.01|quant:bits=4", "topk:ratio=0.05|quant:bits=2|zstd:level=1",
          "randk:ratio=0.01|qsgd:levels=4", "sign", "lowrank:rank=2|fp16",
-         "topk:ratio=0.001|ternary:mode=mean", "none|zstd"]
+         "topk:ratio=0.001|ternary:mode=mean", "none|zstd",
+         "topk:ratio=0.05|ternary:mode=mean"]
+#: Specs whose update rows get very different scales (as a layer's update has), so
+#: that Top-K codes the indices by rows.
+ROW_SCALED = {"topk:ratio=0.05|ternary:mode=mean"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         policy = CompressionPolicy(spec, min_numel=1024)
         tensors = {k: (0.01 * rng.standard_normal(s)).astype(np.float32)
                    for k, s in shapes.items()}
+        if spec in ROW_SCALED:
+            tensors = {k: t * np.logspace(0, 3, t.shape[0], dtype=np.float32).reshape(
+                (-1,) + (1,) * (t.ndim - 1)) if t.ndim > 1 else t for k, t in tensors.items()}
         bases.append((policy.expected(shapes),
                       encode_update(tensors, policy, rng=rng, meta={"round": 1}).payload))
     reasons: collections.Counter = collections.Counter()

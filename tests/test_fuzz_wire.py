@@ -27,9 +27,20 @@ POLICIES = [
         ("threshold:value=1.5", "none"),
         ("quant:bits=8,chunk=64|zstd", "none"),
         ("none", "none"),
+        ("topk:ratio=0.05|ternary:mode=mean", "none"),  # rows index coding (scaled rows)
     ]
 ]
-CASES_PER_POLICY = 150  # 1,500 hostile payloads in all
+#: Policies whose input rows get very different scales, so Top-K codes its indices
+#: by rows (the last policy above).
+ROW_SCALED = {len(POLICIES) - 1}
+CASES_PER_POLICY = 150  # 1,650 hostile payloads in all
+
+
+def _row_scaled(tensor: np.ndarray) -> np.ndarray:
+    if tensor.ndim < 2:
+        return tensor
+    scales = np.logspace(0, 3, tensor.shape[0], dtype=np.float32)
+    return tensor * scales.reshape((-1,) + (1,) * (tensor.ndim - 1))
 
 
 def test_hostile_payloads_raise_only_payload_error_and_stay_in_bounded_memory():
@@ -39,8 +50,10 @@ def test_hostile_payloads_raise_only_payload_error_and_stay_in_bounded_memory():
     kinds: collections.Counter = collections.Counter()
     tracemalloc.start()
     try:
-        for policy in POLICIES:
+        for index, policy in enumerate(POLICIES):
             tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+            if index in ROW_SCALED:
+                tensors = {n: _row_scaled(t) for n, t in tensors.items()}
             payload = encode_update(tensors, policy, rng=rng, meta={"round": 1}).payload
             expected = policy.expected(SHAPES)
             for case in range(CASES_PER_POLICY):

@@ -36,3 +36,11 @@ def test_golden_payload_decodes_to_the_frozen_values(key):
         assert set(frozen.files) == set(decoded.tensors)
         for name in frozen.files:
             np.testing.assert_array_equal(decoded.tensors[name], frozen[name])
+
+
+def test_the_golden_set_freezes_the_rows_index_coding():
+    from fedcomp.fuzzing import split
+
+    header, _ = split((GOLDEN / "v1-topk-rows.bin").read_bytes())
+    coding = {name: tree["m"].get("ix") for name, _, _, tree in header["tensors"]}
+    assert coding["fc.weight"] == "rows"

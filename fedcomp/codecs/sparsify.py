@@ -129,6 +129,11 @@ def _sampled_threshold_select(
     return selected
 
 
+def _row_length(shape: tuple[int, ...] | list[int]) -> int:
+    """Elements per row (a layer's output unit) for ``rows`` index coding; 0 for 1-D."""
+    return math.prod(shape[1:]) if len(shape) >= 2 else 0
+
+
 class _SparseBase(Codec):
     """Shared encode/decode of (shape, count, values, coded indices)."""
 
@@ -140,7 +145,7 @@ class _SparseBase(Codec):
         values = flat[indices]
         if not np.isfinite(values).all():
             raise ValueError(f"{self.codec_id}: the input tensor contains NaN or Inf")
-        ix_meta, ix_parts = encode_indices(indices, flat.size)
+        ix_meta, ix_parts = encode_indices(indices, flat.size, _row_length(x.shape))
         meta: dict[str, Any] = {"shape": list(x.shape), "count": int(indices.size), **ix_meta}
         return Encoded(self.codec_id, meta, {"values": values, **ix_parts})
 
@@ -155,7 +160,8 @@ class _SparseBase(Codec):
         require_parts(enc, ("values", *INDEX_PART_NAMES[scheme]))
         values = take_part(enc, "values", np.float32, count)
         require_finite(self.codec_id, "values", values)
-        indices = decode_indices(dict(enc.meta), dict(enc.parts), n, count, self.codec_id)
+        indices = decode_indices(dict(enc.meta), dict(enc.parts), n, count, self.codec_id,
+                                 _row_length(shape))
         out = np.zeros(n, dtype=np.float32)
         out[indices] = values
         return out.reshape(shape)

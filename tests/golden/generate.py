@@ -34,7 +34,13 @@ CASES = {
     "ternary": ("ternary", "none"),
     "stc": ("topk:ratio=0.01|ternary:mode=mean", "none"),
     "lowrank-fp16": ("lowrank:rank=2|fp16", "none"),
+    # Rows of very different scales, as a layer's update has: Top-K picks the
+    # ``rows`` index coding (added after the first twelve cases, same format version).
+    "topk-rows": ("topk:ratio=0.1|ternary:mode=mean", "none"),
 }
+#: Cases whose tensors get one scale per row (1 to 1000), so their supports crowd
+#: into a few rows.
+ROW_SCALED = {"topk-rows"}
 
 
 def main() -> None:
@@ -53,6 +59,9 @@ def _write_case(manifest: dict, index: int, name: str, codec: str, small: str,
         return
     rng = np.random.default_rng(1000 + index)
     tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    if name in ROW_SCALED:
+        tensors = {n: (t * np.logspace(0, 3, t.shape[0], dtype=np.float32).reshape(
+            (-1,) + (1,) * (t.ndim - 1))) if t.ndim > 1 else t for n, t in tensors.items()}
     policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64)
     update = encode_update(tensors, policy, rng=rng, meta={"round": index},
                            layout_dictionary=with_layout)
