@@ -28,7 +28,10 @@ the support only (gradients masked), so the kept values make up for the dropped 
 ``--shared-support R`` tries time-correlated sparsification (Ozfatura et al., 2021):
 the server's support is the top R of its last mean update's magnitudes for
 ``--shared-tensors``; clients send their values there with ``--shared-codec`` and
-no indices (a second payload, counted), and their own codec on the rest.
+no indices (a second payload, counted), and their own codec on the rest;
+``--shared-feedback`` adds what the shared codec lost to the rest before the own codec
+(with its error feedback) compresses it; ``--shared-random`` replaces the server's
+support by a random one of the same size (a control).
 ``--dataset digits`` runs on the small built-in dataset (tests).
 """
 
@@ -105,6 +108,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--shared-support", type=float, default=0.0)
     parser.add_argument("--shared-codec", default="quant:bits=4")
     parser.add_argument("--shared-tensors", default="fc1.weight")
+    parser.add_argument("--shared-feedback", action="store_true",
+                        help="hand the shared codec's error to the own codec (error feedback)")
+    parser.add_argument("--shared-random", action="store_true",
+                        help="a fresh random support of the same size each round (control)")
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=10)
@@ -170,6 +177,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                 shared = encode_update(values, shared_policy,
                                        rng=np.random.default_rng([args.seed, client, rnd, 2]))
                 uplink += shared.nbytes
+                if args.shared_feedback:
+                    # What the shared codec lost goes to the own codec and its memory.
+                    for name, where in support.items():
+                        delta[name].reshape(-1)[where] = values[name] - shared.decoded[name]
                 for name, where in support.items():
                     full = np.zeros(delta[name].size, dtype=np.float32)
                     full[where] = shared.decoded[name]
@@ -195,6 +206,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                 for name in shared_names:
                     magnitude = np.abs(mean[name]).ravel()
                     k = max(1, round(args.shared_support * magnitude.size))
+                    if args.shared_random:  # control: a random support of the same size
+                        support[name] = np.sort(np.random.default_rng(
+                            [args.seed, rnd, 3]).choice(magnitude.size, k, replace=False))
+                        continue
                     # argpartition's tie-breaking is what the recorded pilot used.
                     support[name] = np.sort(np.argpartition(magnitude, -k)[-k:])
         if rnd % args.eval_every == 0 or rnd == args.rounds:

@@ -48,6 +48,18 @@ def test_support_overlap_measures_shares_of_the_compressed_energy(capsys):
     assert "own top-0.3%" in capsys.readouterr().out
 
 
+def test_index_bits_compares_rice_and_rows_coding_on_client_updates(capsys):
+    bits = _load("index_bits").main(["--dataset", "digits", "--rounds", "2", "--at", "2",
+                                     "--clients", "5", "--per-round", "2"])
+    assert bits, "at least one tensor measured"
+    for value in bits.values():
+        # Allowing rows coding never costs more than Rice alone; nothing beats the
+        # row-conditional bound by more than rounding to whole bytes.
+        assert value["now"] <= value["before"]
+        assert value["now"] >= value["bound"] - 0.5
+    assert "rows won" in capsys.readouterr().out
+
+
 def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
     pilot = _load("uplink_pilot")
     common = ["--dataset", "digits", "--rounds", "2", "--clients", "4", "--per-round", "2",
@@ -64,6 +76,11 @@ def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
     shared = pilot.main([*common, "--shared-support", "0.5", "--shared-tensors",
                          "conv2.weight"])
     assert shared[0][2] == curve[0][2] and shared[1][2] > curve[1][2]
+    # The random-support control and the shared codec's error feedback run too.
+    control = pilot.main([*common, "--shared-support", "0.5", "--shared-tensors",
+                          "conv2.weight", "--shared-codec", "sign", "--shared-feedback",
+                          "--shared-random"])
+    assert control[1][2] > curve[1][2]
     assert "best accuracy" in capsys.readouterr().out
 
 
