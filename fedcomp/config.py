@@ -20,7 +20,7 @@ from typing import Any
 from fedcomp.errors import SpecError
 from fedcomp.faults import FAULT_KINDS, FaultPlan
 from fedcomp.pipeline import Pipeline
-from fedcomp.policy import CompressionPolicy, parse_overrides
+from fedcomp.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
 
 __all__ = ["RunConfig", "config_key"]
 
@@ -222,6 +222,16 @@ class RunConfig:
                 out[key] = [[pattern, Pipeline.parse(spec).get_config()]
                             for pattern, spec in policy.overrides]
         return out
+
+    def encoder_fingerprint(self, shapes: Mapping[str, Any]) -> str:
+        """The uplink and downlink policies' fingerprint on a model of ``shapes``.
+
+        Recorded in ``summary.json`` (``encoder``): the run id covers the config, this
+        covers the code that turned it into bytes (see
+        :func:`fedcomp.policy.encoder_fingerprint`).
+        """
+        return encoder_fingerprint((self.uplink_policy, self.downlink_policy),
+                                   {name: tuple(shape) for name, shape in shapes.items()})
 
     def digest(self) -> str:
         """A short stable hash of everything that shapes the run's results.

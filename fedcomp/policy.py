@@ -17,6 +17,7 @@ encoders or DGC's layer-wise ratios.
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -31,7 +32,8 @@ from fedcomp.pipeline import Pipeline
 from fedcomp.tensor import to_numpy
 from fedcomp.wire import EncodedTensor, ExpectedTensor, pack_payload
 
-__all__ = ["CompressionPolicy", "EncodedUpdate", "encode_update", "parse_overrides"]
+__all__ = ["CompressionPolicy", "EncodedUpdate", "encode_update", "encoder_fingerprint",
+           "parse_overrides"]
 
 #: Most per-tensor overrides one policy may hold.
 MAX_OVERRIDES = 64
@@ -180,3 +182,33 @@ def encode_update(
         numel += array.size
     payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary)
     return EncodedUpdate(payload, decoded, time.perf_counter() - start, numel)
+
+
+def encoder_fingerprint(policies: Sequence[CompressionPolicy],
+                        shapes: Mapping[str, Sequence[int]]) -> str:
+    """A short hash of the payloads these policies make of a fixed reference update.
+
+    Two runs whose fingerprints agree encoded alike (same bytes for the same update),
+    so their byte counts can be compared; a codec, index-coding or wire change that
+    alters the bytes changes it even where the run config (and so a sweep's run id)
+    is the same. The reference update is a pure function of ``shapes``: seeded
+    normal values with one scale per row (1 to 1000), as a layer's update has, so
+    that every index coding a real update can pick is exercised. Codecs whose output
+    depends on floating-point library details (``lowrank``'s power iteration) may
+    fingerprint differently on another BLAS build.
+    """
+    rng = np.random.default_rng(20261203)
+    reference = {}
+    for name in sorted(shapes):
+        shape = tuple(int(d) for d in shapes[name])
+        values = rng.standard_normal(shape).astype(np.float32)
+        if len(shape) > 1:
+            values *= np.logspace(0, 3, shape[0], dtype=np.float32).reshape(
+                (-1,) + (1,) * (len(shape) - 1))
+        reference[name] = values
+    digest = hashlib.sha256()
+    for index, policy in enumerate(policies):
+        update = encode_update(reference, policy, rng=np.random.default_rng(index),
+                               meta={"round": 1})
+        digest.update(hashlib.sha256(update.payload).digest())
+    return digest.hexdigest()[:12]

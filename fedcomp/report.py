@@ -310,6 +310,24 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
     return paths
 
 
+def encoder_note(runs: Sequence[RunResult]) -> str:
+    """A warning when the runs' bytes come from different encoders; else ``""``.
+
+    Each run records the fingerprint of the code that encoded it (``encoder`` in
+    ``summary.json``; absent in runs older than the fingerprint). Accuracy does not
+    depend on it for lossless changes, but byte counts do.
+    """
+    groups: dict[str, list[str]] = {}
+    for run in runs:
+        groups.setdefault(run.summary.get("encoder") or "unrecorded", []).append(run.run_id)
+    if len(groups) <= 1:
+        return ""
+    parts = ", ".join(f"{key}: {len(ids)} run{'s' * (len(ids) > 1)}"
+                      for key, ids in sorted(groups.items(), key=lambda kv: -len(kv[1])))
+    return (f"Note: these runs were encoded by {len(groups)} encoder versions ({parts}); "
+            "byte counts of runs from different versions are not comparable one to one.")
+
+
 def write_report(out_dir: str | Path, target: float | None = None,
                  extra_targets: Sequence[float] = (),
                  at_rounds: Sequence[int] = (),
@@ -332,7 +350,8 @@ def write_report(out_dir: str | Path, target: float | None = None,
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))
-    table = "\n\n".join(tables)
+    note = encoder_note(runs)
+    table = "\n\n".join(([note] if note else []) + tables)
     paths = plot_runs(methods, out, target)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(
         f"![{p.stem}]({p.name})" for p in paths) + "\n")

@@ -28,6 +28,12 @@ interrupted, and is resumed from it. A run that raises is recorded as failed wit
 error, and the sweep goes on. ``OUT/runs.csv`` (one row per run: its grid values and
 summary figures) is rewritten after every run.
 
+The run id covers the settings, not the code: a complete run encoded by an older
+version of a codec or of the wire format keeps its byte counts. Given a
+``fingerprint`` function, the sweep compares each skipped run's recorded ``encoder``
+(:meth:`~fedcomp.config.RunConfig.encoder_fingerprint`) with the current code's and
+says which runs would encode differently if rerun; ``runs.csv`` carries the column.
+
 The runner that actually simulates is passed in (:func:`run_sweep`), so this module
 stays free of Flower; ``fedcomp sweep`` passes ``server.simulation.simulate``.
 """
@@ -53,7 +59,8 @@ __all__ = ["RUN_COLUMNS", "Sweep", "SweepRun", "run_sweep"]
 
 #: Summary figures copied into ``runs.csv`` beside each run's grid values.
 RUN_COLUMNS = ["final_accuracy", "best_accuracy", "rounds_completed", "uplink_bytes",
-               "downlink_bytes", "uplink_compression", "rejected_updates", "wall_s"]
+               "downlink_bytes", "uplink_compression", "rejected_updates", "wall_s",
+               "encoder"]
 _RESERVED = {"run-name", "results-dir", "resume"}
 
 
@@ -145,8 +152,13 @@ Runner = Callable[[RunConfig, int], dict[str, Any]]
 
 
 def run_sweep(sweep: Sweep, out_dir: str | Path, runner: Runner, *,
-              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Run every missing run of ``sweep`` under ``out_dir``; return the runs.csv rows."""
+              log: Callable[[str], None] = print,
+              fingerprint: Callable[[RunConfig], str] | None = None) -> list[dict[str, Any]]:
+    """Run every missing run of ``sweep`` under ``out_dir``; return the runs.csv rows.
+
+    ``fingerprint(config)`` (optional) is the encoder fingerprint the current code
+    gives a run's config; complete runs recorded with another one are reported.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(
@@ -162,6 +174,14 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, runner: Runner, *,
         if summary_path.exists():
             log(f"[run {index}/{total}] {run.run_id} ({label}): complete, skipped")
             summary = json.loads(summary_path.read_text())
+            if fingerprint is not None:
+                current, recorded = fingerprint(run.config), summary.get("encoder")
+                if recorded != current:
+                    by = (f"encoder {recorded}" if recorded
+                          else "a version that did not record its encoder")
+                    log(f"  warning: {run.run_id} was encoded by {by}; this code encodes "
+                        f"its config as {current}, so a rerun's bytes may differ (move "
+                        f"{run_dir} away to rerun it)")
         else:
             resume = (run_dir / "checkpoint.npz").exists()
             log(f"[run {index}/{total}] {run.run_id} ({label})"

@@ -106,6 +106,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "dp_delta": cfg.dp_delta if cfg.dp != "none" else None,
         "dp_final_clip": strategy.dp.clip_norm if strategy.dp else None,
         "stopped_early": strategy.stopped,
+        "encoder": cfg.encoder_fingerprint({k: v.shape for k, v in initial.items()}),
     }
     return recorder.finish(), strategy
 

@@ -9,6 +9,8 @@ import pytest
 
 from fedcomp.config import RunConfig
 from fedcomp.downlink import model_digest
+from fedcomp.models import build_model
+from fedcomp.training import state_arrays
 from server.simulation import simulate
 
 pytestmark = pytest.mark.slow
@@ -20,6 +22,9 @@ def test_dropouts_and_corrupt_payloads_are_counted_exactly_as_injected(tmp_path)
                     run_name="faults", seed=2)
     summary, _ = simulate(cfg, num_supernodes=6)
     assert summary["rounds_completed"] == 3
+    # The summary records which encoder made its bytes (what a sweep compares).
+    assert summary["encoder"] == cfg.encoder_fingerprint(
+        {k: v.shape for k, v in state_arrays(build_model(cfg.dataset, seed=0)).items()})
     with open(tmp_path / "faults" / "rounds.csv") as handle:
         rows = list(csv.DictReader(handle))
     plan = cfg.fault_plan

@@ -90,3 +90,22 @@ def test_the_run_config_builds_both_policies_and_names_a_bad_key():
     assert cfg.describe()["codec-overrides-config"][0][0] == "conv2.weight"
     with pytest.raises(SpecError, match=r"'downlink-codec-overrides'.*PATTERN=SPEC"):
         RunConfig(downlink_codec_overrides="conv2.weight")
+
+
+def test_the_encoder_fingerprint_follows_the_bytes_not_the_config(monkeypatch):
+    from fedcomp.codecs import sparsify
+    from fedcomp.policy import encoder_fingerprint
+
+    shapes = {"conv.weight": (8, 1, 3, 3), "conv.bias": (8,), "fc.weight": (16, 200)}
+    policies = (CompressionPolicy("topk:ratio=0.05|ternary:mode=mean", min_numel=64),
+                CompressionPolicy("topk:ratio=0.02|quant:bits=4", min_numel=64))
+    first = encoder_fingerprint(policies, shapes)
+    assert first == encoder_fingerprint(policies, shapes)  # a pure function
+    assert first != encoder_fingerprint(policies[:1], shapes)
+    assert first != encoder_fingerprint(
+        (CompressionPolicy("topk:ratio=0.06|ternary:mode=mean", min_numel=64), policies[1]),
+        shapes)
+    # The same config under code that codes indices differently (no rows coding, as
+    # before it existed) fingerprints differently: what a stale run looks like.
+    monkeypatch.setattr(sparsify, "_row_length", lambda shape: 0)
+    assert encoder_fingerprint(policies, shapes) != first

@@ -145,6 +145,42 @@ def test_report_computes_factors_against_the_uncompressed_runs_and_draws_plots(t
     assert json.loads((tmp_path / "sweep.json").read_text())["columns"] == ["codec", "seed"]
 
 
+def test_complete_runs_from_another_encoder_are_reported_not_rerun(tmp_path):
+    """The run id covers the config; the recorded encoder covers the code."""
+    calls, messages = [], []
+    plain = fake_runner(ACC, calls)
+
+    def records_encoder(cfg, n):
+        plain(cfg, n)
+        summary_path = Path(cfg.results_dir) / cfg.run_name / "summary.json"
+        summary = json.loads(summary_path.read_text())
+        summary["encoder"] = f"v1-{cfg.codec}"
+        summary_path.write_text(json.dumps(summary))
+        return summary
+
+    sweep = _sweep()
+    run_sweep(sweep, tmp_path, records_encoder, log=lambda _: None)
+    # The code changed how "sign" encodes: those runs are named, and none reruns.
+    calls.clear()
+    rows = run_sweep(sweep, tmp_path, plain, log=messages.append,
+                     fingerprint=lambda cfg: "v2-sign" if cfg.codec == "sign" else
+                     f"v1-{cfg.codec}")
+    assert calls == []
+    warned = [m for m in messages if "warning" in m]
+    assert len(warned) == 2 and all("v1-sign" in m and "v2-sign" in m for m in warned)
+    assert {r["encoder"] for r in rows} == {"v1-none", "v1-sign"}
+    assert "encoder" in (tmp_path / "runs.csv").read_text().splitlines()[0]
+    # A report over runs of two encoders says so; over one, it does not.
+    table, _ = write_report(tmp_path, target=0.8)
+    assert table.startswith("Note: these runs were encoded by 2 encoder versions")
+
+
+def test_the_report_of_one_encoder_has_no_encoder_note(tmp_path):
+    run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)
+    table, _ = write_report(tmp_path, target=0.8)
+    assert "encoder versions" not in table
+
+
 @pytest.mark.slow
 def test_smoke_sweep_through_the_command_line(tmp_path):
     from fedcomp.cli import main
