@@ -30,9 +30,9 @@ import torch
 
 from fedcomp.codecs.index_coding import encode_indices
 from fedcomp.codecs.sparsify import select_top_k
-from fedcomp.data import load_dataset, partition_indices
+from fedcomp.data import dirichlet_clients
 from fedcomp.models import build_model
-from fedcomp.training import state_arrays, train
+from fedcomp.training import state_arrays, train_from
 
 #: (tensor, Top-K ratio) pairs: the per-layer budgets of the headline's fedcomp methods.
 CASES = [("fc1.weight", 0.004), ("fc1.weight", 0.01), ("conv2.weight", 0.1),
@@ -76,10 +76,7 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], dict[str
     parser.add_argument("--dataset", default="fashion-mnist", choices=["fashion-mnist", "digits"])
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    train_set, _ = load_dataset(args.dataset)
-    parts = partition_indices(train_set.y, args.clients, "dirichlet", alpha=0.3,
-                              seed=args.seed)
-    data = [train_set.subset(np.sort(p)) for p in parts]
+    data, _ = dirichlet_clients(args.dataset, args.clients, alpha=0.3, seed=args.seed)
     model = build_model(args.dataset, seed=args.seed)
     global_model = state_arrays(model)
     cases = [(name, ratio) for name, ratio in CASES if name in global_model]
@@ -88,28 +85,19 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, float, int], dict[str
     print(f"{'round':>5s}  {'tensor':14s} {'Top-K':>6s}  {'uniform':>7s}  {'no rows':>7s}  "
           f"{'rows ok':>7s}  {'rows won':>8s}  {'bound':>6s}   (bits per index, client mean)")
     for rnd in range(1, args.rounds + 1):
-        total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_model.items()}
-        measured: dict[tuple[str, float], list[dict[str, float]]] = {c: [] for c in cases}
-        weight = 0
-        for client in (int(c) for c in rng.choice(args.clients, args.per_round,
-                                                  replace=False)):
-            if len(data[client]) == 0:
-                continue
-            model.load_state_dict({k: torch.from_numpy(v.copy())
-                                   for k, v in global_model.items()})
-            train(model, data[client].x, data[client].y, epochs=1, lr=0.05, momentum=0.9,
-                  seed=client * 100_003 + rnd)
-            trained = state_arrays(model)
-            for name in total:
-                total[name] += len(data[client]) * (trained[name] - global_model[name])
-            weight += len(data[client])
-            if rnd in args.at:
-                for name, ratio in cases:
-                    measured[name, ratio].append(
-                        support_bits(trained[name] - global_model[name], ratio))
-        if weight:
-            global_model = {k: (global_model[k] + total[k] / weight).astype(np.float32)
-                            for k in global_model}
+        sampled = [int(c) for c in rng.choice(args.clients, args.per_round, replace=False)
+                   if len(data[int(c)])]
+        updates = {c: train_from(model, global_model, data[c].x, data[c].y, epochs=1,
+                                 seed=c * 100_003 + rnd) for c in sampled}
+        weights = np.array([len(data[c]) for c in sampled], dtype=np.float64)
+        deltas = {c: {k: v - global_model[k] for k, v in trained.items()}
+                  for c, trained in updates.items()}
+        measured = {(name, ratio): [support_bits(deltas[c][name], ratio) for c in sampled]
+                    for name, ratio in cases} if rnd in args.at else {}
+        if sampled:  # plain FedAvg: the example-weighted mean of the updates
+            global_model = {k: (global_model[k] + sum(
+                w * deltas[c][k].astype(np.float64) for c, w in zip(sampled, weights, strict=True))
+                / weights.sum()).astype(np.float32) for k in global_model}
         if rnd in args.at:
             for (name, ratio), rows in measured.items():
                 mean = {key: float(np.mean([r[key] for r in rows])) for key in rows[0]}

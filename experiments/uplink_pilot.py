@@ -44,12 +44,12 @@ import time
 import numpy as np
 import torch
 
-from fedcomp.data import load_dataset, partition_indices
+from fedcomp.data import dirichlet_clients
 from fedcomp.feedback import ErrorFeedback, NoFeedback
 from fedcomp.models import build_model
 from fedcomp.policy import CompressionPolicy, encode_update, parse_overrides
 from fedcomp.server_opt import ServerOptimizer
-from fedcomp.training import evaluate, state_arrays, train
+from fedcomp.training import evaluate, state_arrays, train, train_from
 
 
 def _topk_masks(delta: dict[str, np.ndarray], memory: ErrorFeedback | NoFeedback,
@@ -121,10 +121,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--json", default="", help="write the arguments and curve here")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    train_set, test_set = load_dataset(args.dataset)
-    parts = partition_indices(train_set.y, args.clients, "dirichlet", alpha=0.3,
-                              seed=args.seed)
-    data = [train_set.subset(np.sort(p)) for p in parts]
+    data, test_set = dirichlet_clients(args.dataset, args.clients, alpha=0.3, seed=args.seed)
     model = build_model(args.dataset, seed=args.seed)
     global_model = state_arrays(model)
     policy = CompressionPolicy(args.codec, args.small_codec,
@@ -153,12 +150,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                                                   replace=False)):
             if len(data[client]) == 0:
                 continue
-            model.load_state_dict({k: torch.from_numpy(v.copy())
-                                   for k, v in global_model.items()})
-            seed = client * 100_003 + rnd
-            train(model, data[client].x, data[client].y, epochs=args.local_epochs,
-                  lr=0.05, momentum=0.9, seed=seed)
-            trained = state_arrays(model)
+            trained = train_from(model, global_model, data[client].x, data[client].y,
+                                 epochs=args.local_epochs, seed=client * 100_003 + rnd)
             delta = {k: trained[k] - global_model[k] for k in global_model}
             if args.retrain_steps > 0:
                 masks = _topk_masks(delta, memory(client, "main"), policy)

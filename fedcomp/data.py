@@ -26,6 +26,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_FASHION_DIR",
     "ArrayDataset",
+    "dirichlet_clients",
     "load_dataset",
     "load_digits",
     "load_fashion_mnist",
@@ -186,3 +187,17 @@ def load_partition(name: str, partition_id: int, num_partitions: int, *, scheme:
     parts = partition_indices(train.y, num_partitions, scheme, alpha=alpha,
                               classes_per_client=classes_per_client, seed=seed)
     return train.subset(np.sort(parts[partition_id]))
+
+
+def dirichlet_clients(name: str, num_clients: int, *, alpha: float, seed: int
+                      ) -> tuple[list[ArrayDataset], ArrayDataset]:
+    """Every client's training data (Dirichlet label split) and the test set, at once.
+
+    What the in-process experiments (pilots, measurements) use to play all clients of
+    a run in one process; a Flower client of a run with this ``seed`` loads the same
+    data for itself with :func:`load_partition` (digits' train/test split is seeded
+    too; Fashion-MNIST's is fixed by its files).
+    """
+    train, test = load_dataset(name, seed=seed)
+    parts = partition_indices(train.y, num_clients, "dirichlet", alpha=alpha, seed=seed)
+    return [train.subset(np.sort(p)) for p in parts], test

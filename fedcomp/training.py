@@ -83,3 +83,15 @@ def evaluate(model: nn.Module, x: np.ndarray, y: np.ndarray,
         loss += float(loss_fn(logits, yb))
         correct += int((logits.argmax(1) == yb).sum())
     return correct / max(len(y), 1), loss / max(len(y), 1)
+
+
+def train_from(model: nn.Module, start: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
+               *, epochs: int, seed: int, lr: float = 0.05, momentum: float = 0.9
+               ) -> dict[str, np.ndarray]:
+    """Load ``start`` into ``model``, train it (:func:`train`) and return its state.
+
+    One client's local round as the in-process experiments play it.
+    """
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in start.items()})
+    train(model, x, y, epochs=epochs, lr=lr, momentum=momentum, seed=seed)
+    return state_arrays(model)

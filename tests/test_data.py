@@ -116,3 +116,16 @@ def test_load_partition_checks_the_partition_id():
     assert 140 <= len(data) <= 146
     with pytest.raises(ValueError, match="partition-id 10"):
         load_partition("digits", 10, 10, scheme="iid")
+
+
+def test_dirichlet_clients_split_the_training_set_exactly_once():
+    from fedcomp.data import dirichlet_clients
+
+    clients, test = dirichlet_clients("digits", 7, alpha=0.3, seed=1)
+    train, same_test = load_dataset("digits", seed=1)
+    assert len(clients) == 7 and len(test) == len(same_test)
+    assert sum(len(c) for c in clients) == len(train)
+    # Each client holds the rows of the seeded partition, the same a Flower client loads.
+    third = load_partition("digits", 3, 7, scheme="dirichlet", alpha=0.3, seed=1)
+    np.testing.assert_array_equal(clients[3].y, third.y)
+    np.testing.assert_array_equal(clients[3].x, third.x)
