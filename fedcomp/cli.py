@@ -11,7 +11,8 @@ users take and the one that must work: it starts (or reuses) the local SuperLink
 streams the run's log, then asks the SuperLink for the run's final status, since
 ``flwr run --stream`` exits 0 even when the run failed. It exits 1 unless the status
 is ``finished:completed``, and ends with the run's summary table from
-``summary.json``.
+``summary.json`` (the copy that the ServerApp prints at the end of its log is held
+back, so the table appears once).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
         return 1
     run_id = str(started["run-id"])
     print(f"fedcomp: started Flower run {run_id} ({where})", flush=True)
-    subprocess.run([flwr, "log", run_id, args.connection, "--stream"], env=env, check=False)
+    held_table = _stream(run_id, args.connection, env)
     status = ""
     for _ in range(60):  # the log stream can end a moment before the status is final
         listing = _run_json([flwr, "ls", args.connection, "--run-id", run_id,
@@ -104,11 +105,15 @@ def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
             break
         time.sleep(1)
     if status != "finished:completed":
+        if held_table:
+            print("\n".join(held_table))
         print(f"error: Flower run {run_id} ended with status {status!r}; see the log above",
               file=sys.stderr)
         return 1
     summary_path = results_dir / run_name / "summary.json"
     if not summary_path.exists():
+        if held_table:
+            print("\n".join(held_table))
         if summary_required:
             print(f"error: the run completed but wrote no {summary_path}", file=sys.stderr)
             return 1
@@ -118,6 +123,54 @@ def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
     print("\n" + format_summary_table([json.loads(summary_path.read_text())]))
     print(f"\nresults: {summary_path.parent} (rounds.csv, clients.csv, summary.json)")
     return 0
+
+
+class _TableFilter:
+    """Holds back the summary table that the ServerApp prints at the end of its log.
+
+    ``fedcomp simulate`` ends with the table itself (from ``summary.json``), so the
+    log's copy is held back instead of showing it twice. The held block starts at the
+    table's header line and ends at the ServerApp's ``results:`` line after it; a
+    block that runs on longer than that is not the table and is let through.
+    """
+
+    HEADER = ("run", "codec", "rounds", "final", "acc", "best", "acc")
+    MAX_HELD = 64
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+        self.holding = False
+
+    def feed(self, line: str) -> list[str]:
+        """The lines to show now, given the next line of the log."""
+        if not self.holding:
+            if tuple(line.split()[:len(self.HEADER)]) == self.HEADER:
+                self.holding, self.held = True, [line]
+                return []
+            return [line]
+        self.held.append(line)
+        if line.startswith("results: "):
+            self.holding = False
+        elif len(self.held) > self.MAX_HELD:
+            released, self.held, self.holding = self.held, [], False
+            return released
+        return []
+
+
+def _stream(run_id: str, connection: str, env: dict[str, str]) -> list[str]:
+    """Echo the run's log as Flower streams it, less the ServerApp's summary table.
+
+    Returns the lines held back (the table's block), for the caller to show if it
+    has no ``summary.json`` to print the table from.
+    """
+    table = _TableFilter()
+    with subprocess.Popen([_flwr(), "log", run_id, connection, "--stream"], env=env,
+                          stdout=subprocess.PIPE, text=True, errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            for shown in table.feed(line.rstrip("\n")):
+                print(shown, flush=True)
+    return table.held
 
 
 def _exec(argv: list[str], env: dict[str, str]) -> int:
