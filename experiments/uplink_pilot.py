@@ -31,7 +31,12 @@ the server's support is the top R of its last mean update's magnitudes for
 no indices (a second payload, counted), and their own codec on the rest;
 ``--shared-feedback`` adds what the shared codec lost to the rest before the own codec
 (with its error feedback) compresses it; ``--shared-random`` replaces the server's
-support by a random one of the same size (a control).
+support by a random one of the same size (a control). ``--shared-source step`` takes
+the support from the server's last *step* (the model change, which a compressed
+downlink sends, so clients already hold its support) instead of its mean update, and
+``--shared-window W`` makes it the union of the last W rounds' supports: with R the
+downlink's own Top-K ratio, that support costs the downlink nothing.
+``--json`` is rewritten after every evaluation, so a pilot cut short leaves its curve.
 ``--dataset digits`` runs on the small built-in dataset (tests).
 """
 
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -110,6 +116,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--shared-tensors", default="fc1.weight")
     parser.add_argument("--shared-feedback", action="store_true",
                         help="hand the shared codec's error to the own codec (error feedback)")
+    parser.add_argument("--shared-source", default="mean", choices=["mean", "step"],
+                        help="the support: Top-R of the server's mean update or of its step")
+    parser.add_argument("--shared-window", type=int, default=1,
+                        help="the union of the last W rounds' supports")
     parser.add_argument("--shared-random", action="store_true",
                         help="a fresh random support of the same size each round (control)")
     parser.add_argument("--rounds", type=int, default=150)
@@ -138,6 +148,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     shared_policy = CompressionPolicy(args.shared_codec, args.shared_codec)
     shared_names = [n for n in args.shared_tensors.split(",") if n]
     support: dict[str, np.ndarray] = {}
+    if args.shared_window < 1:
+        raise SystemExit(f"--shared-window must be at least 1, not {args.shared_window}")
+    recent: dict[str, deque[np.ndarray]] = {n: deque(maxlen=args.shared_window)
+                                            for n in shared_names}
     server = ServerOptimizer(kind=args.server_optimizer, lr=args.server_lr, tau=args.server_tau,
                              schedule=args.server_lr_schedule, lr_final=args.server_lr_final,
                              total_steps=args.rounds)
@@ -194,17 +208,21 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
             weight += len(data[client])
         if weight:
             mean = {k: (v / weight).astype(np.float32) for k, v in total.items()}
+            previous = global_model
             global_model = server.step(global_model, mean)
             if args.shared_support > 0:
                 for name in shared_names:
-                    magnitude = np.abs(mean[name]).ravel()
+                    moved = (mean[name] if args.shared_source == "mean"
+                             else global_model[name] - previous[name])
+                    magnitude = np.abs(moved).ravel()
                     k = max(1, round(args.shared_support * magnitude.size))
                     if args.shared_random:  # control: a random support of the same size
-                        support[name] = np.sort(np.random.default_rng(
-                            [args.seed, rnd, 3]).choice(magnitude.size, k, replace=False))
-                        continue
-                    # argpartition's tie-breaking is what the recorded pilot used.
-                    support[name] = np.sort(np.argpartition(magnitude, -k)[-k:])
+                        chosen = np.random.default_rng(
+                            [args.seed, rnd, 3]).choice(magnitude.size, k, replace=False)
+                    else:  # argpartition's tie-breaking is what the recorded pilot used.
+                        chosen = np.argpartition(magnitude, -k)[-k:]
+                    recent[name].append(chosen)
+                    support[name] = np.unique(np.concatenate(list(recent[name])))
         if rnd % args.eval_every == 0 or rnd == args.rounds:
             model.load_state_dict({k: torch.from_numpy(v.copy())
                                    for k, v in global_model.items()})
@@ -213,10 +231,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
             print(f"round {rnd:4d}  accuracy {accuracy:.4f}  uplink {uplink / 1e6:7.2f} MB "
                   f"({uplink / rnd / args.per_round / 1e3:.2f} kB a client)  "
                   f"{time.perf_counter() - started:5.0f} s", flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({"args": vars(args), "curve": curve}, fh, indent=1)
     print(f"best accuracy {max(a for _, a, _ in curve):.4f}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"args": vars(args), "curve": curve}, fh, indent=1)
     return curve
 
 if __name__ == "__main__":

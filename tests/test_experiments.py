@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +61,34 @@ def test_index_bits_compares_rice_and_rows_coding_on_client_updates(capsys):
     assert "rows won" in capsys.readouterr().out
 
 
+def test_signal_alignment_compares_compressed_means_with_the_population_mean(capsys):
+    alignment = _load("signal_alignment")
+    common = ["--dataset", "digits", "--rounds", "3", "--at", "2", "3", "--clients", "6",
+              "--codec", "none", "--codec", "topk:ratio=0.01|ternary:mode=mean"]
+    partial = alignment.main([*common, "--per-round", "3"])
+    assert sorted(partial) == [2, 3]
+    for row in partial.values():
+        # A lossless codec's mean is the sampled mean; a 1% Top-K's is not, and costs less.
+        assert abs(row["none cos_sampled"] - 1.0) < 1e-9
+        assert abs(row["none cos_population"] - row["cos_sampled_population"]) < 1e-9
+        lossy = "topk:ratio=0.01|ternary:mode=mean"
+        assert 0.0 < row[f"{lossy} cos_sampled"] < 0.999
+        assert row[f"{lossy} kB"] < row["none kB"]
+    # Every client sampled: the sampled mean is the population mean.
+    full = alignment.main([*common, "--per-round", "6"])
+    assert all(abs(row["cos_sampled_population"] - 1.0) < 1e-9 for row in full.values())
+    assert "cos population" in capsys.readouterr().out
+
+
+def test_signal_alignment_cosine_and_weighted_mean():
+    alignment = _load("signal_alignment")
+    a, b = np.array([1.0, 0.0]), np.array([1.0, 1.0])
+    assert abs(alignment.cosine(a, b) - 1 / np.sqrt(2)) < 1e-12
+    assert alignment.cosine(a, np.zeros(2)) == 0.0
+    mean = alignment.weighted_mean([np.array([0.0]), np.array([3.0])], [2.0, 1.0])
+    assert mean.tolist() == [1.0]
+
+
 def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
     pilot = _load("uplink_pilot")
     common = ["--dataset", "digits", "--rounds", "2", "--clients", "4", "--per-round", "2",
@@ -81,6 +110,16 @@ def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
                           "conv2.weight", "--shared-codec", "sign", "--shared-feedback",
                           "--shared-random"])
     assert control[1][2] > curve[1][2]
+    # The support of the server's steps over a window of rounds: from round 3 on it is
+    # the union of two rounds' supports, so the sign payload on it is not smaller.
+    steps = [*common[:3], "3", *common[4:], "--shared-support", "0.02", "--shared-codec",
+             "sign", "--shared-tensors", "conv2.weight", "--shared-source", "step"]
+    one = pilot.main(steps)
+    two = pilot.main([*steps, "--shared-window", "2", "--json", str(tmp_path / "w.json")])
+    assert one[1][2] == two[1][2] and two[2][2] - two[1][2] > one[2][2] - one[1][2]
+    assert json.loads((tmp_path / "w.json").read_text())["curve"] == [list(c) for c in two]
+    with pytest.raises(SystemExit, match="shared-window"):
+        pilot.main([*steps, "--shared-window", "0"])
     assert "best accuracy" in capsys.readouterr().out
 
 
