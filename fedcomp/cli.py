@@ -252,10 +252,10 @@ def sweep(args: argparse.Namespace) -> int:
 
 
 def report(args: argparse.Namespace) -> int:
-    from fedcomp.report import write_report
+    from fedcomp.report import current_encoder, write_report
 
     table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,
-                                args.reference)
+                                args.reference, fingerprint=current_encoder)
     print(table)
     print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
     return 0

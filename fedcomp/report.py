@@ -28,10 +28,11 @@ names the one the target and the factors come from.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ __all__ = [
     "RunResult",
     "build_report",
     "bytes_to_target",
+    "current_encoder",
+    "encoder_note",
     "format_accuracy_at_rounds",
     "format_whole_runs",
     "is_plain_fedavg",
@@ -310,34 +313,94 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
     return paths
 
 
-def encoder_note(runs: Sequence[RunResult]) -> str:
-    """A warning when the runs' bytes come from different encoders; else ``""``.
+def encoder_note(runs: Sequence[RunResult],
+                 fingerprint: Callable[[Mapping[str, Any]], str] | None = None) -> str:
+    """A warning when some runs' bytes did not come from this code; else ``""``.
 
     Each run records the fingerprint of the code that encoded it (``encoder`` in
-    ``summary.json``; absent in runs older than the fingerprint). Accuracy does not
-    depend on it for lossless changes, but byte counts do.
+    ``summary.json``; absent in runs older than the fingerprint). The fingerprint is
+    of the run's own codecs, so runs of different methods always differ: what tells
+    whether two runs' bytes compare one to one is whether each was encoded by the
+    same code. With ``fingerprint`` (the current code's fingerprint of a run config,
+    as :func:`current_encoder` computes it) each run is checked against that; without,
+    only runs of one method are compared with each other. Accuracy does not depend
+    on it for lossless changes, but byte counts do.
     """
-    groups: dict[str, list[str]] = {}
-    for run in runs:
-        groups.setdefault(run.summary.get("encoder") or "unrecorded", []).append(run.run_id)
-    if len(groups) <= 1:
+    unrecorded = [r.run_id for r in runs if not r.summary.get("encoder")]
+    other: dict[str, list[str]] = {}
+    if fingerprint is not None:
+        for run in runs:
+            recorded = run.summary.get("encoder")
+            if recorded and recorded != fingerprint(run.summary.get("config", {})):
+                other.setdefault(run.method, []).append(run.run_id)
+    else:
+        by_method: dict[str, set[str]] = {}
+        for run in runs:
+            if run.summary.get("encoder"):
+                by_method.setdefault(run.method, set()).add(run.summary["encoder"])
+        other = {m: [r.run_id for r in runs if r.method == m]
+                 for m, codes in by_method.items() if len(codes) > 1}
+    if not unrecorded and not other:
         return ""
-    parts = ", ".join(f"{key}: {len(ids)} run{'s' * (len(ids) > 1)}"
-                      for key, ids in sorted(groups.items(), key=lambda kv: -len(kv[1])))
-    return (f"Note: these runs were encoded by {len(groups)} encoder versions ({parts}); "
-            "byte counts of runs from different versions are not comparable one to one.")
+    parts = []
+    if unrecorded:
+        parts.append(f"{len(unrecorded)} run{'s' * (len(unrecorded) > 1)} record no encoder "
+                     "(made before runs recorded it)")
+    if other:
+        count = sum(len(ids) for ids in other.values())
+        what = ("by other code than this checkout's" if fingerprint is not None
+                else "by more than one encoder within one method")
+        parts.append(f"{count} run{'s' * (count > 1)} were encoded {what} ("
+                     + "; ".join(f"{m}: {len(ids)}" for m, ids in other.items()) + ")")
+    return (f"Note: of these {len(runs)} runs, " + ", and ".join(parts) + ". Rerun now, "
+            "their bytes could differ: compare their byte counts with the others' with care.")
+
+
+#: The run config keys that decide a run's encoder fingerprint (its two policies).
+_ENCODER_KEYS = ("dataset", "codec", "small-codec", "codec-overrides", "downlink-codec",
+                 "downlink-codec-overrides")
+
+
+def current_encoder(config: Mapping[str, Any]) -> str:
+    """This code's encoder fingerprint for a run config (``summary.json``'s ``config``).
+
+    ``""`` where the config no longer parses (a run older than a renamed key), so such
+    a run counts as encoded by other code.
+    """
+    from fedcomp.errors import SpecError
+
+    known = {k: v for k, v in config.items() if not k.endswith("-config")}
+    try:
+        key = json.dumps({k: known[k] for k in _ENCODER_KEYS if k in known}, sort_keys=True)
+        return _current_encoder(key)
+    except (SpecError, ValueError, TypeError):
+        return ""
+
+
+@functools.lru_cache(maxsize=256)
+def _current_encoder(key: str) -> str:
+    # Imported here: the report's tables need no torch model, the fingerprint does.
+    from fedcomp.client_round import model_shapes
+    from fedcomp.config import RunConfig
+
+    config = RunConfig.from_mapping(json.loads(key))
+    return config.encoder_fingerprint(model_shapes(config.dataset))
 
 
 def write_report(out_dir: str | Path, target: float | None = None,
                  extra_targets: Sequence[float] = (),
                  at_rounds: Sequence[int] = (),
-                 reference: str | None = None) -> tuple[str, list[Path]]:
+                 reference: str | None = None,
+                 fingerprint: Callable[[Mapping[str, Any]], str] | None = None
+                 ) -> tuple[str, list[Path]]:
     """Build the report of a sweep folder; write report.md and the plots.
 
     ``target`` (default: plain FedAvg's mean best accuracy minus one point) draws the
     line in the plots; each of ``extra_targets`` adds one more bytes-to-target table,
     and ``at_rounds`` a table of accuracy at those rounds. ``reference`` names the
     method the factors are against (needed where several are plain FedAvg).
+    ``fingerprint`` (e.g. :func:`current_encoder`) checks each run's recorded encoder
+    against this code's (see :func:`encoder_note`).
     """
     out = Path(out_dir)
     runs = load_runs(out)
@@ -350,7 +413,7 @@ def write_report(out_dir: str | Path, target: float | None = None,
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))
-    note = encoder_note(runs)
+    note = encoder_note(runs, fingerprint)
     table = "\n\n".join(([note] if note else []) + tables)
     paths = plot_runs(methods, out, target)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(

@@ -10,7 +10,13 @@ import pytest
 
 from fedcomp.config import RunConfig
 from fedcomp.errors import SpecError
-from fedcomp.report import build_report, bytes_to_target, load_runs, write_report
+from fedcomp.report import (
+    build_report,
+    bytes_to_target,
+    current_encoder,
+    load_runs,
+    write_report,
+)
 from fedcomp.results import RoundRecord, RunRecorder
 from fedcomp.sweep import Sweep, run_sweep
 
@@ -170,15 +176,47 @@ def test_complete_runs_from_another_encoder_are_reported_not_rerun(tmp_path):
     assert len(warned) == 2 and all("v1-sign" in m and "v2-sign" in m for m in warned)
     assert {r["encoder"] for r in rows} == {"v1-none", "v1-sign"}
     assert "encoder" in (tmp_path / "runs.csv").read_text().splitlines()[0]
-    # A report over runs of two encoders says so; over one, it does not.
+    # Runs of different codecs always fingerprint differently: that alone is no warning.
     table, _ = write_report(tmp_path, target=0.8)
-    assert table.startswith("Note: these runs were encoded by 2 encoder versions")
+    assert not table.startswith("Note")
+    # Checked against the current code, the report names the runs it would encode anew.
+    table, _ = write_report(tmp_path, target=0.8, fingerprint=lambda config: (
+        "v2-sign" if config["codec"] == "sign" else f"v1-{config['codec']}"))
+    first = table.splitlines()[0]
+    assert first.startswith("Note: of these 4 runs, 2 runs were encoded by other code")
+    assert "codec=sign: 2" in first and "codec=none" not in first
+    # Without the current code's view, two encoders within one method are still caught.
+    sign_run = next(r["run_id"] for r in rows if r["codec"] == "sign")
+    summary_path = tmp_path / sign_run / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    summary["encoder"] = "v0-sign"
+    summary_path.write_text(json.dumps(summary))
+    first = write_report(tmp_path, target=0.8)[0].splitlines()[0]
+    assert "more than one encoder within one method (codec=sign: 2)" in first
 
 
-def test_the_report_of_one_encoder_has_no_encoder_note(tmp_path):
+def test_the_report_of_unrecorded_runs_says_so_and_of_current_ones_says_nothing(tmp_path):
     run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)
     table, _ = write_report(tmp_path, target=0.8)
-    assert "encoder versions" not in table
+    assert table.startswith("Note: of these 4 runs, 4 runs record no encoder")
+    for run_dir in tmp_path.glob("*/summary.json"):
+        summary = json.loads(run_dir.read_text())
+        summary["encoder"] = current_encoder(summary["config"])
+        run_dir.write_text(json.dumps(summary))
+    table, _ = write_report(tmp_path, target=0.8, fingerprint=current_encoder)
+    assert not table.startswith("Note")
+
+
+def test_current_encoder_is_the_run_configs_fingerprint_and_empty_for_old_configs():
+    from fedcomp.client_round import model_shapes
+
+    config = RunConfig(dataset="digits", codec="topk:ratio=0.1|ternary:mode=mean",
+                       downlink_codec="topk:ratio=0.1|quant:bits=4")
+    expected = config.encoder_fingerprint(model_shapes("digits"))
+    assert current_encoder(config.describe()) == expected  # the *-config keys are ignored
+    assert current_encoder(config.replace(seed=7).describe()) == expected
+    assert current_encoder(config.replace(codec="sign").describe()) != expected
+    assert current_encoder({**config.to_mapping(), "codec": "no-such-codec"}) == ""
 
 
 @pytest.mark.slow
