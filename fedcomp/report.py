@@ -304,10 +304,12 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
         ax.set_xlabel(x_label)
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-        fig.tight_layout()
+        # Below the axes, not on them: with many methods an inside legend hides the
+        # curves; bbox_inches="tight" grows the figure to hold it.
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14),
+                  ncol=1 if len(methods) > 6 else 2, frameon=False)
         path = out_dir / name
-        fig.savefig(path)
+        fig.savefig(path, bbox_inches="tight")
         plt.close(fig)
         paths.append(path)
     return paths
