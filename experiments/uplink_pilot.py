@@ -36,6 +36,16 @@ the support from the server's last *step* (the model change, which a compressed
 downlink sends, so clients already hold its support) instead of its mean update, and
 ``--shared-window W`` makes it the union of the last W rounds' supports: with R the
 downlink's own Top-K ratio, that support costs the downlink nothing.
+``--downlink-codec SPEC`` (with ``--downlink-overrides``) compresses the downlink as the
+Flower strategy does (``--downlink-mode step``): the server steps its optimizer from the
+shared model and sends the step through the codec with its error feedback, and counts
+what each sampled client is sent to catch up (the updates it missed since it last
+took part, replayed from round 0 the first time, or the full model where that is
+smaller). ``--downlink-mode mean`` tries the other order: the server compresses the
+*mean update* (with error feedback) and every side applies the server optimizer to the
+decoded mean, so clients replicate the optimizer (its state counts as part of a full
+model's price: three times the model for FedAdam). The pilot then reports downlink
+bytes too.
 ``--json`` is rewritten after every evaluation, so a pilot cut short leaves its curve.
 ``--dataset digits`` runs on the small built-in dataset (tests).
 """
@@ -122,6 +132,11 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                         help="the union of the last W rounds' supports")
     parser.add_argument("--shared-random", action="store_true",
                         help="a fresh random support of the same size each round (control)")
+    parser.add_argument("--downlink-codec", default="",
+                        help="compress the downlink with this spec (default: full model)")
+    parser.add_argument("--downlink-overrides", default="")
+    parser.add_argument("--downlink-small-codec", default="none")
+    parser.add_argument("--downlink-mode", default="step", choices=["step", "mean"])
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=10)
@@ -157,6 +172,20 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                              total_steps=args.rounds)
     rng = np.random.default_rng(args.seed)
     uplink, curve, started = 0, [], time.perf_counter()
+    downlink, down_sizes, last_seen = 0, [], {}
+    if args.downlink_codec:
+        down_policy = CompressionPolicy(args.downlink_codec, args.downlink_small_codec,
+                                        overrides=parse_overrides(args.downlink_overrides))
+        down_feedback = ErrorFeedback("downlink")
+        model_bytes = encode_update(global_model, CompressionPolicy("none"),
+                                    rng=np.random.default_rng(0)).nbytes
+        # A client that cannot replay gets the model (and, in mean mode, the server
+        # optimizer's state it replicates: FedAdam/FedYogi keep two moments).
+        state_copies = 1 + (2 if args.downlink_mode == "mean"
+                            and args.server_optimizer in ("adam", "yogi") else
+                            1 if args.downlink_mode == "mean"
+                            and args.server_optimizer == "momentum" else 0)
+        full_bytes = model_bytes * state_copies
     for rnd in range(1, args.rounds + 1):
         total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_model.items()}
         weight = 0
@@ -164,6 +193,10 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                                                   replace=False)):
             if len(data[client]) == 0:
                 continue
+            if args.downlink_codec:  # catch up: the missed updates, or the full model
+                missed = sum(down_sizes[last_seen.get(client, 0):])
+                downlink += min(missed, full_bytes)
+                last_seen[client] = len(down_sizes)
             trained = train_from(model, global_model, data[client].x, data[client].y,
                                  epochs=args.local_epochs, seed=client * 100_003 + rnd)
             delta = {k: trained[k] - global_model[k] for k in global_model}
@@ -209,7 +242,21 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
         if weight:
             mean = {k: (v / weight).astype(np.float32) for k, v in total.items()}
             previous = global_model
-            global_model = server.step(global_model, mean)
+            if args.downlink_codec and args.downlink_mode == "mean":
+                sent = encode_update(mean, down_policy, feedback=down_feedback,
+                                     rng=np.random.default_rng([args.seed, rnd, 0xD0]))
+                down_sizes.append(sent.nbytes)
+                global_model = server.step(global_model, sent.decoded)
+            elif args.downlink_codec:
+                target = server.step(global_model, mean)
+                sent = encode_update({k: target[k] - global_model[k] for k in global_model},
+                                     down_policy, feedback=down_feedback,
+                                     rng=np.random.default_rng([args.seed, rnd, 0xD0]))
+                down_sizes.append(sent.nbytes)
+                global_model = {k: (global_model[k] + sent.decoded[k]).astype(np.float32)
+                                for k in global_model}
+            else:
+                global_model = server.step(global_model, mean)
             if args.shared_support > 0:
                 for name in shared_names:
                     moved = (mean[name] if args.shared_source == "mean"
@@ -227,14 +274,15 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
             model.load_state_dict({k: torch.from_numpy(v.copy())
                                    for k, v in global_model.items()})
             accuracy, _ = evaluate(model, test_set.x, test_set.y)
-            curve.append((rnd, accuracy, uplink))
+            curve.append((rnd, accuracy, uplink) + ((downlink,) if args.downlink_codec else ()))
+            down = (f"downlink {downlink / 1e6:7.2f} MB  " if args.downlink_codec else "")
             print(f"round {rnd:4d}  accuracy {accuracy:.4f}  uplink {uplink / 1e6:7.2f} MB "
-                  f"({uplink / rnd / args.per_round / 1e3:.2f} kB a client)  "
+                  f"({uplink / rnd / args.per_round / 1e3:.2f} kB a client)  {down}"
                   f"{time.perf_counter() - started:5.0f} s", flush=True)
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump({"args": vars(args), "curve": curve}, fh, indent=1)
-    print(f"best accuracy {max(a for _, a, _ in curve):.4f}")
+    print(f"best accuracy {max(point[1] for point in curve):.4f}")
     return curve
 
 if __name__ == "__main__":

@@ -120,6 +120,18 @@ def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
     assert json.loads((tmp_path / "w.json").read_text())["curve"] == [list(c) for c in two]
     with pytest.raises(SystemExit, match="shared-window"):
         pilot.main([*steps, "--shared-window", "0"])
+    # A compressed downlink: each sampled client is sent what it missed, never more than
+    # the full model (three of them in mean mode with FedAdam: the moments travel too).
+    down = [*common[:3], "4", *common[4:], "--server-optimizer", "adam", "--server-lr",
+            "0.01", "--downlink-codec", "topk:ratio=0.05|quant:bits=4"]
+    full_down = pilot.main(down[:-2])
+    for mode in ("step", "mean"):
+        sent = pilot.main([*down, "--downlink-mode", mode])
+        assert [len(p) for p in sent] == [4] * 4
+        # Round 1 trains from the initial model either way; later rounds from the replica.
+        assert sent[0][2] == full_down[0][2]
+        downlink = [p[3] for p in sent]
+        assert 0 < downlink[1] < downlink[3] and downlink == sorted(downlink)
     assert "best accuracy" in capsys.readouterr().out
 
 
