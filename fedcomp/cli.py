@@ -239,12 +239,10 @@ def sweep(args: argparse.Namespace) -> int:
 
     for key, value in FLOWER_ENV.items():
         os.environ.setdefault(key, value)
-    def fingerprint(config):
-        from fedcomp.client_round import model_shapes
+    from fedcomp.report import current_encoder
 
-        return config.encoder_fingerprint(model_shapes(config.dataset))
-
-    rows = run_sweep(plan, args.out, runner, fingerprint=fingerprint)
+    rows = run_sweep(plan, args.out, runner,
+                     fingerprint=lambda config: current_encoder(config.to_mapping()))
     failed = [r for r in rows if r["status"] == "failed"]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} runs complete; "
           f"{Path(args.out) / 'runs.csv'}" + (f"; {len(failed)} failed" if failed else ""))
