@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--downlink-codec", default="",
                         help="compress the downlink with this spec (default: full model)")
     parser.add_argument("--downlink-overrides", default="")
-    parser.add_argument("--downlink-small-codec", default="none")
+    parser.add_argument("--downlink-small-codec", default="",
+                        help="the downlink's codec for small tensors (default: --small-codec,"
+                             " as the Flower strategy does)")
     parser.add_argument("--downlink-mode", default="step", choices=["step", "mean"])
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--clients", type=int, default=100)
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     uplink, curve, started = 0, [], time.perf_counter()
     downlink, down_sizes, last_seen = 0, [], {}
     if args.downlink_codec:
-        down_policy = CompressionPolicy(args.downlink_codec, args.downlink_small_codec,
+        down_policy = CompressionPolicy(args.downlink_codec,
+                                        args.downlink_small_codec or args.small_codec,
                                         overrides=parse_overrides(args.downlink_overrides))
         down_feedback = ErrorFeedback("downlink")
         model_bytes = encode_update(global_model, CompressionPolicy("none"),
