@@ -44,8 +44,11 @@ took part, replayed from round 0 the first time, or the full model where that is
 smaller). ``--downlink-mode mean`` tries the other order: the server compresses the
 *mean update* (with error feedback) and every side applies the server optimizer to the
 decoded mean, so clients replicate the optimizer (its state counts as part of a full
-model's price: three times the model for FedAdam). The pilot then reports downlink
-bytes too.
+model's price: three times the model for FedAdam). ``--downlink-mode catchup`` keeps
+each client's replica on the server and sends a sampled client one payload, the codec
+applied to the whole difference between the server's model and its replica (what is
+not sent stays in that difference for next time), so a message costs the same however
+many rounds the client missed. The pilot then reports downlink bytes too.
 ``--json`` is rewritten after every evaluation, so a pilot cut short leaves its curve.
 ``--dataset digits`` runs on the small built-in dataset (tests).
 """
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
     parser.add_argument("--downlink-small-codec", default="",
                         help="the downlink's codec for small tensors (default: --small-codec,"
                              " as the Flower strategy does)")
-    parser.add_argument("--downlink-mode", default="step", choices=["step", "mean"])
+    parser.add_argument("--downlink-mode", default="step", choices=["step", "mean", "catchup"])
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--per-round", type=int, default=10)
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                             1 if args.downlink_mode == "mean"
                             and args.server_optimizer == "momentum" else 0)
         full_bytes = model_bytes * state_copies
+        replicas: dict[int, dict[str, np.ndarray]] = {}  # catchup: what each client holds
+        initial_model = {k: v.copy() for k, v in global_model.items()}
     for rnd in range(1, args.rounds + 1):
         total = {k: np.zeros(v.shape, dtype=np.float64) for k, v in global_model.items()}
         weight = 0
@@ -196,17 +201,28 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                                                   replace=False)):
             if len(data[client]) == 0:
                 continue
-            if args.downlink_codec:  # catch up: the missed updates, or the full model
+            start = global_model
+            if args.downlink_codec and args.downlink_mode == "catchup":
+                replica = replicas.setdefault(client, {k: v.copy()
+                                                       for k, v in initial_model.items()})
+                sent = encode_update({k: global_model[k] - replica[k] for k in replica},
+                                     down_policy, rng=np.random.default_rng(
+                                         [args.seed, rnd, client, 0xD0]))
+                for name, value in sent.decoded.items():
+                    replica[name] += value
+                downlink += sent.nbytes
+                start = replica
+            elif args.downlink_codec:  # catch up: the missed updates, or the full model
                 missed = sum(down_sizes[last_seen.get(client, 0):])
                 downlink += min(missed, full_bytes)
                 last_seen[client] = len(down_sizes)
-            trained = train_from(model, global_model, data[client].x, data[client].y,
+            trained = train_from(model, start, data[client].x, data[client].y,
                                  epochs=args.local_epochs, seed=client * 100_003 + rnd)
-            delta = {k: trained[k] - global_model[k] for k in global_model}
+            delta = {k: trained[k] - start[k] for k in start}
             if args.retrain_steps > 0:
                 masks = _topk_masks(delta, memory(client, "main"), policy)
                 # The retraining pass shuffles with its own seed (as the recorded runs did).
-                delta = _retrain_on_support(model, global_model, trained, masks,
+                delta = _retrain_on_support(model, start, trained, masks,
                                             data[client], args.retrain_steps, client * 7 + rnd)
             decoded: dict[str, np.ndarray] = {}
             on_support = {}
@@ -250,7 +266,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                                      rng=np.random.default_rng([args.seed, rnd, 0xD0]))
                 down_sizes.append(sent.nbytes)
                 global_model = server.step(global_model, sent.decoded)
-            elif args.downlink_codec:
+            elif args.downlink_codec and args.downlink_mode == "step":
                 target = server.step(global_model, mean)
                 sent = encode_update({k: target[k] - global_model[k] for k in global_model},
                                      down_policy, feedback=down_feedback,

@@ -132,6 +132,13 @@ def test_uplink_pilot_trains_and_counts_the_payloads_it_sends(tmp_path, capsys):
         assert sent[0][2] == full_down[0][2]
         downlink = [p[3] for p in sent]
         assert 0 < downlink[1] < downlink[3] and downlink == sorted(downlink)
+    # catchup: one payload a sampled client, whatever it missed; a lossless codec sends
+    # the whole difference, so every round costs the same, the model's size a client.
+    lossless = pilot.main([*down[:-1], "none", "--downlink-mode", "catchup"])
+    steps = np.diff([0] + [p[3] for p in lossless])
+    assert len(set(steps.tolist())) == 1 and lossless[0][2] == full_down[0][2]
+    lossy = pilot.main([*down, "--downlink-mode", "catchup"])
+    assert 0 < lossy[-1][3] < lossless[-1][3] / 4
     assert "best accuracy" in capsys.readouterr().out
 
 
