@@ -187,11 +187,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float, int]]:
                                     rng=np.random.default_rng(0)).nbytes
         # A client that cannot replay gets the model (and, in mean mode, the server
         # optimizer's state it replicates: FedAdam/FedYogi keep two moments).
-        state_copies = 1 + (2 if args.downlink_mode == "mean"
-                            and args.server_optimizer in ("adam", "yogi") else
-                            1 if args.downlink_mode == "mean"
-                            and args.server_optimizer == "momentum" else 0)
-        full_bytes = model_bytes * state_copies
+        moments = {"adam": 2, "yogi": 2, "momentum": 1}.get(args.server_optimizer, 0)
+        full_bytes = model_bytes * (1 + (moments if args.downlink_mode == "mean" else 0))
         replicas: dict[int, dict[str, np.ndarray]] = {}  # catchup: what each client holds
         initial_model = {k: v.copy() for k, v in global_model.items()}
     for rnd in range(1, args.rounds + 1):
