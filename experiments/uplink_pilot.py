@@ -11,8 +11,9 @@ and its own error-feedback memory, and the server steps its
 :class:`~fedcomp.server_opt.ServerOptimizer` with the example-weighted mean of the
 decoded updates.
 
-It is a pilot, not the benchmark: the downlink is the full model, the sampling is
-its own seeded draw (not the sweep's), and there is no wire, Flower or fault path.
+It is a pilot, not the benchmark: the downlink is the full model unless
+``--downlink-codec`` is given, the sampling is its own seeded draw (not the sweep's),
+and there is no Flower or fault path.
 Use it to choose what to run through ``fedcomp sweep``.
 
     .venv/bin/python experiments/uplink_pilot.py --codec "topk:ratio=0.003|quant:bits=4" \\
