@@ -239,10 +239,9 @@ def sweep(args: argparse.Namespace) -> int:
 
     for key, value in FLOWER_ENV.items():
         os.environ.setdefault(key, value)
-    from fedcomp.report import current_encoder
+    from fedcomp.report import encoder_of
 
-    rows = run_sweep(plan, args.out, runner,
-                     fingerprint=lambda config: current_encoder(config.to_mapping()))
+    rows = run_sweep(plan, args.out, runner, fingerprint=encoder_of)
     failed = [r for r in rows if r["status"] == "failed"]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} runs complete; "
           f"{Path(args.out) / 'runs.csv'}" + (f"; {len(failed)} failed" if failed else ""))

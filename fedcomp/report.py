@@ -28,7 +28,6 @@ names the one the target and the factors come from.
 from __future__ import annotations
 
 import csv
-import functools
 import json
 import math
 import statistics
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedcomp.config import RunConfig
+
 __all__ = [
     "MethodResult",
     "RunResult",
@@ -44,6 +45,7 @@ __all__ = [
     "bytes_to_target",
     "current_encoder",
     "encoder_note",
+    "encoder_of",
     "format_accuracy_at_rounds",
     "format_whole_runs",
     "is_plain_fedavg",
@@ -358,35 +360,37 @@ def encoder_note(runs: Sequence[RunResult],
             "their bytes could differ: compare their byte counts with the others' with care.")
 
 
-#: The run config keys that decide a run's encoder fingerprint (its two policies).
-_ENCODER_KEYS = ("dataset", "codec", "small-codec", "codec-overrides", "downlink-codec",
-                 "downlink-codec-overrides")
-
-
 def current_encoder(config: Mapping[str, Any]) -> str:
     """This code's encoder fingerprint for a run config (``summary.json``'s ``config``).
 
     ``""`` where the config no longer parses (a run older than a renamed key), so such
     a run counts as encoded by other code.
     """
-    from fedcomp.errors import SpecError
-
-    known = {k: v for k, v in config.items() if not k.endswith("-config")}
     try:
-        key = json.dumps({k: known[k] for k in _ENCODER_KEYS if k in known}, sort_keys=True)
-        return _current_encoder(key)
-    except (SpecError, ValueError, TypeError):
+        parsed = RunConfig.from_mapping(
+            {k: v for k, v in config.items() if not k.endswith("-config")})
+    except (ValueError, TypeError):  # SpecError is a ValueError
         return ""
+    return encoder_of(parsed)
 
 
-@functools.lru_cache(maxsize=256)
-def _current_encoder(key: str) -> str:
-    # Imported here: the report's tables need no torch model, the fingerprint does.
-    from fedcomp.client_round import model_shapes
-    from fedcomp.config import RunConfig
+_ENCODERS: dict[tuple[str, str, str], str] = {}
 
-    config = RunConfig.from_mapping(json.loads(key))
-    return config.encoder_fingerprint(model_shapes(config.dataset))
+
+def encoder_of(config: RunConfig) -> str:
+    """The current code's fingerprint of ``config``'s two policies, computed once each.
+
+    Keyed by the dataset and the policies' descriptions, which name everything that
+    shapes their payloads (specs, overrides, the small-tensor threshold).
+    """
+    key = (config.dataset, config.uplink_policy.description,
+           config.downlink_policy.description)
+    if key not in _ENCODERS:
+        # Imported here: the report's tables need no torch model, the fingerprint does.
+        from fedcomp.client_round import model_shapes
+
+        _ENCODERS[key] = config.encoder_fingerprint(model_shapes(config.dataset))
+    return _ENCODERS[key]
 
 
 def write_report(out_dir: str | Path, target: float | None = None,

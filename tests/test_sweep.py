@@ -344,3 +344,12 @@ def test_several_plain_fedavg_methods_need_a_named_reference(tmp_path):
     # To 0.8: FedAvg 2 rounds (2000 uplink bytes), 2 epochs 2 rounds too, sign 3 (150).
     assert rows["sign"][7].strip() == "13.3"
     assert rows["FedAvg, 2 epochs"][7].strip() == "1.0"
+
+
+def test_current_encoder_covers_every_setting_of_the_policies():
+    # min-numel moves tensors between the main and the small-tensor codec: a run with
+    # another threshold encodes differently, so its fingerprint must differ too.
+    config = RunConfig(dataset="digits", codec="topk:ratio=0.1|quant:bits=4",
+                       small_codec="quant:bits=8")
+    assert current_encoder(config.replace(min_numel=10).describe()) != current_encoder(
+        config.describe())
