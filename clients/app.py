@@ -23,6 +23,7 @@ from fedcomp.client_round import (
     model_shapes,
     run_client_round,
     save_state_file,
+    saved_replica_digest,
     state_file,
 )
 from fedcomp.config import RunConfig
@@ -50,10 +51,30 @@ app = ClientApp(mods=[_message_size])
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Tell the server which data partition this node holds: it samples by partition."""
+    """Tell the server which data partition this node holds and which replica it holds.
+
+    The server samples by partition; a per-client downlink keeps each partition's
+    replica and checks the digest before it sends a catch-up to a (re)connected node.
+    """
     partition_id = int(context.node_config["partition-id"])
-    return Message(content=RecordDict({"node": MetricRecord({"partition-id": partition_id})}),
-                   reply_to=msg)
+    content = RecordDict({"node": MetricRecord({"partition-id": partition_id})})
+    saved = _load_saved(context, partition_id)[0]
+    if held := saved_replica_digest(saved):
+        content["replica"] = ConfigRecord({"digest": held})
+    return Message(content=content, reply_to=msg)
+
+
+def _load_saved(context: Context, partition_id: int):
+    """The node's saved state: ``context.state``, else its state file; and that file."""
+    state_dir = context.node_config.get("state-dir")
+    state_path = (state_file(str(state_dir), context.run_id, partition_id)
+                  if state_dir else None)
+    saved = load_client_state(context.state)
+    from_file = False
+    if not saved and state_path is not None:
+        saved = load_state_file(state_path, run_id=context.run_id, partition_id=partition_id)
+        from_file = bool(saved)
+    return saved, state_path, from_file
 
 
 @app.train()
@@ -76,17 +97,10 @@ def train(msg: Message, context: Context) -> Message:
         raise InjectedFault(f"injected dropout (round {server_round}, partition {partition_id})")
     # State lives in context.state; with a node-config `state-dir` it is also kept on
     # disk, so that a restarted SuperNode (whose context.state is empty) carries on.
-    state_dir = context.node_config.get("state-dir")
-    state_path = (state_file(str(state_dir), context.run_id, partition_id)
-                  if state_dir else None)
-    saved = load_client_state(context.state)
-    from_file = False
-    if not saved and state_path is not None:
-        saved = load_state_file(state_path, run_id=context.run_id, partition_id=partition_id)
-        from_file = bool(saved)
-        if from_file:  # in the SuperNode's log: an operator sees the node carry on
-            flwr_log(INFO, "fedcomp: partition %d resumed from state file %s in round %d",
-                     partition_id, state_path, server_round)
+    saved, state_path, from_file = _load_saved(context, partition_id)
+    if from_file:  # in the SuperNode's log: an operator sees the node carry on
+        flwr_log(INFO, "fedcomp: partition %d resumed from state file %s in round %d",
+                 partition_id, state_path, server_round)
     state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.dataset))
     try:
         # What the server did with this node's recent updates (older servers: nothing).

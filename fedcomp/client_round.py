@@ -37,7 +37,8 @@ from fedcomp.training import state_arrays, train
 from fedcomp.wire import ExpectedTensor, unpack_payload
 
 __all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
-           "run_client_round", "save_state_file", "settle_unconfirmed", "state_file"]
+           "run_client_round", "save_state_file", "saved_replica_digest", "settle_unconfirmed",
+           "state_file"]
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,18 @@ class ClientState:
                                            dtype=np.uint8).tobytes()
             state.unconfirmed_round = int(np.asarray(unconfirmed[_UNCONFIRMED_ROUND_KEY])[0])
         return state
+
+
+def saved_replica_digest(saved: Mapping[str, Mapping[str, np.ndarray]]) -> str:
+    """The digest of the replica in saved state ("" if there is none).
+
+    A node tells the server this when it (re)connects, so that a per-client downlink
+    sends a catch-up only to a node that still holds the replica it applies to.
+    """
+    replica = saved.get("replica") or {}
+    model = {k[len(_REPLICA_PREFIX):]: np.asarray(v, dtype=np.float32)
+             for k, v in replica.items() if k.startswith(_REPLICA_PREFIX)}
+    return model_digest(model) if model else ""
 
 
 def state_file(state_dir: str | Path, run_id: int, partition_id: int) -> Path:
@@ -233,12 +246,13 @@ def run_client_round(
     """
     torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
     shapes = model_shapes(cfg.dataset)
-    # Built once: its round-0 weights seed an empty replica (shared-init), then it
-    # takes the replica's weights for training.
+    # Built once: its round-0 weights seed an empty replica (shared-init), or a
+    # per-client catch-up the server sends from round 0 (a node it has not seen, such
+    # as a restarted one), then it takes the replica's weights for training.
     model = build_model(cfg.dataset, seed=cfg.seed)
     sync_start = time.perf_counter()
-    initial = (state_arrays(model)
-               if state.replica.model is None and cfg.shared_init else None)
+    initial = (state_arrays(model) if cfg.shared_init and (
+        state.replica.model is None or message.kind == "catchup") else None)
     state.replica.apply(message, shapes, cfg.downlink_policy, initial)
     sync_s = time.perf_counter() - sync_start
     assert state.replica.model is not None

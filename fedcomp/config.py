@@ -34,6 +34,9 @@ _CHOICES = {
     "server_lr_schedule": ("constant", "cosine"),
     "norm_action": ("reject", "clip"),
     "dp": ("none", "client", "sample"),
+    # shared: one compressed model for all (fedcomp.downlink.Broadcaster); per-client:
+    # each client's own difference (fedcomp.downlink.PerClientBroadcaster).
+    "downlink_mode": ("shared", "per-client"),
 }
 
 
@@ -69,6 +72,7 @@ class RunConfig:
     downlink_codec: str = "none"
     downlink_codec_overrides: str = ""
     downlink_history: int = 1000
+    downlink_mode: str = "shared"
     shared_init: bool = True
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
@@ -159,6 +163,10 @@ class RunConfig:
                 or self.dp_clipped_count_stddev < 0:
             raise SpecError("run config dp-target-quantile must be in (0, 1), dp-clip-lr > 0 "
                             "and dp-clipped-count-stddev >= 0 (0: automatic)")
+        if self.downlink_mode == "per-client" and self.downlink_codec == "none":
+            raise SpecError("run config 'downlink-mode' = 'per-client' needs a compressing "
+                            "'downlink-codec' (with 'none' every message is the full model: "
+                            "use the default 'shared' mode)")
         if self.round_timeout <= 0:
             raise SpecError(f"run config 'round-timeout' must be > 0, got {self.round_timeout!r}")
         try:

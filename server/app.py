@@ -64,7 +64,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
               + (f"; resuming after round {done}" if done else ""), flush=True)
 
     def evaluate_fn(flower_round: int, _arrays: Any) -> MetricRecord:
-        # Evaluate the shared model: exactly what clients hold.
+        # Evaluate the server's model: what every client holds (shared downlink), or
+        # holds up to what its own downlink has not sent yet (per-client downlink).
         server_round = flower_round + done
         accuracy, loss = math.nan, math.nan
         if (server_round % cfg.eval_every == 0 or server_round >= cfg.num_server_rounds

@@ -5,7 +5,10 @@ keeps its settings, summary and reply checks, but overrides the three hooks that
 differ for compressed updates:
 
 * ``configure_train``: each sampled node gets its own downlink message: the full
-  model, or only the compressed updates it missed (:class:`fedcomp.downlink.Broadcaster`).
+  model, or only the compressed updates it missed (:class:`fedcomp.downlink.Broadcaster`),
+  or with ``downlink-mode = "per-client"`` one compressed payload of the difference
+  between the server's model and that client's replica
+  (:class:`fedcomp.downlink.PerClientBroadcaster`).
   Nodes are sampled with the run's seeded generator rather than FedAvg's
   ``random.sample`` on the global RNG, in the order of the data partitions they
   hold (asked once per node with a ``query`` message: Flower's node ids are random
@@ -16,7 +19,9 @@ differ for compressed updates:
   (SGD/FedAvgM/FedAdam/FedYogi) and is published on the downlink.
 * ``configure_evaluate``: none; evaluation is centralized (``evaluate_fn``).
 
-The ArrayRecord it returns is the shared model, the one clients actually hold.
+The ArrayRecord it returns is the shared model, the one clients actually hold (in
+per-client mode: the server's own model, which each client holds up to what its
+downlink has not sent yet).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.aggregation import ClientReply, aggregate_deltas
 from fedcomp.config import RunConfig
-from fedcomp.downlink import Broadcaster, model_digest
+from fedcomp.downlink import Broadcaster, PerClientBroadcaster, model_digest
 from fedcomp.feedback import OutcomeLedger
 from fedcomp.flower import downlink_to_record, outcomes_to_record, payload_from_record
 from fedcomp.privacy import (
@@ -85,8 +90,13 @@ class CompressedFedAvg(FedAvg):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0,
                          min_train_nodes=1, min_available_nodes=1)
         self.cfg = cfg
-        self.broadcaster = Broadcaster(initial, cfg.downlink_policy,
-                                       history=cfg.downlink_history, seed=cfg.seed)
+        self.broadcaster: Broadcaster | PerClientBroadcaster
+        if cfg.downlink_mode == "per-client":
+            self.broadcaster = PerClientBroadcaster(initial, cfg.downlink_policy,
+                                                    seed=cfg.seed)
+        else:
+            self.broadcaster = Broadcaster(initial, cfg.downlink_policy,
+                                           history=cfg.downlink_history, seed=cfg.seed)
         self.optimizer = ServerOptimizer(
             cfg.server_optimizer, lr=cfg.server_lr, momentum=cfg.server_momentum,
             beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
@@ -103,6 +113,8 @@ class CompressedFedAvg(FedAvg):
         self.partition_of: dict[int, int] = {}
         self.stats: dict[int, RoundStats] = {}
         self._sent: dict[int, int] = {}
+        #: The replica digest each node of this round should report back.
+        self._expected_digest: dict[int, str] = {}
         #: Rounds completed before this process started (resumed runs): Flower counts
         #: from 1 again, we do not.
         self.round_offset = 0
@@ -147,7 +159,8 @@ class CompressedFedAvg(FedAvg):
         while len(nodes := sorted(grid.get_node_ids())) < minimum:
             log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
             time.sleep(1)
-        if 0 < wanted < len(nodes):  # everyone trains otherwise: no order needed
+        # Per-client downlink: replicas are kept by partition, which outlives node ids.
+        if 0 < wanted < len(nodes) or isinstance(self.broadcaster, PerClientBroadcaster):
             self._learn_partitions(grid, [n for n in nodes if n not in self.partition_of])
         return sample_nodes(self.rng, nodes, self.partition_of, wanted)
 
@@ -165,6 +178,12 @@ class CompressedFedAvg(FedAvg):
                     raise ValueError(reply.error.reason)
                 self.partition_of[node] = parse_partition_id(
                     reply.content["node"]["partition-id"])
+                if isinstance(self.broadcaster, PerClientBroadcaster):
+                    # The replica it holds: a catch-up goes only to a node that has it.
+                    held = (reply.content["replica"].get("digest", "")
+                            if "replica" in reply.content else "")
+                    self.broadcaster.reconcile(self._client_key(node),
+                                               held if isinstance(held, str) else "")
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("node %s did not tell its partition (%s): it is sampled after "
                             "the others, by node id", node, exc)
@@ -172,6 +191,15 @@ class CompressedFedAvg(FedAvg):
         if missing:
             log.warning("%d of %d nodes have no known partition; sampling them is not "
                         "reproducible across runs", missing, len(nodes))
+
+    def _client_key(self, node: int) -> str:
+        """Who holds a per-client replica: the partition if known (it outlives node ids)."""
+        partition = self.partition_of.get(node)
+        return f"partition-{partition}" if partition is not None else f"node-{node}"
+
+    def _stream(self, node: int) -> int:
+        """The per-client downlink codec's random stream: the partition, else the node."""
+        return self.partition_of.get(node, node % 2**32)
 
     # ------------------------------------------------------------------ training
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
@@ -199,11 +227,21 @@ class CompressedFedAvg(FedAvg):
             settings["dp-clip-current"] = self.dp.clip_norm  # moves with adaptive clipping
         messages = []
         self._sent = {}
+        self._expected_digest = {}
+        shared_digest = (model_digest(self.broadcaster.model)
+                         if isinstance(self.broadcaster, Broadcaster) else "")
         for node in nodes:
-            # A node never seen builds the round-0 model from the seed (shared-init);
-            # -1 marks a node whose replica is unknown: it gets the full model.
-            downlink = self.broadcaster.message_for(
-                self.node_rounds.get(node, 0 if self.cfg.shared_init else -1))
+            if isinstance(self.broadcaster, PerClientBroadcaster):
+                downlink = self.broadcaster.message_for(
+                    self._client_key(node), stream=self._stream(node),
+                    shared_init=self.cfg.shared_init)
+                self._expected_digest[node] = self.broadcaster.digests[self._client_key(node)]
+            else:
+                # A node never seen builds the round-0 model from the seed (shared-init);
+                # -1 marks a node whose replica is unknown: it gets the full model.
+                downlink = self.broadcaster.message_for(
+                    self.node_rounds.get(node, 0 if self.cfg.shared_init else -1))
+                self._expected_digest[node] = shared_digest
             self._sent[node] = downlink.nbytes
             content = RecordDict({"config": settings, "downlink": downlink_to_record(downlink),
                                   "outcomes": outcomes_to_record(self.outcomes.for_node(node))})
@@ -226,14 +264,19 @@ class CompressedFedAvg(FedAvg):
         if stats.record.timed_out:
             log.warning("round %d: %d sampled nodes did not reply within %g s",
                         server_round, stats.record.timed_out, self.cfg.round_timeout)
-        digest = model_digest(self.broadcaster.model)
         client_replies = []
+        if isinstance(self.broadcaster, PerClientBroadcaster):
+            # A node that did not reply may or may not hold what it was sent.
+            for node in set(self._sent) - {m.metadata.src_node_id for m in replies}:
+                self.broadcaster.forget(self._client_key(node))
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
                 stats.record.clients_failed += 1
                 # We cannot know how far the node got: send it the full model next time.
                 self.node_rounds[node] = -1
+                if isinstance(self.broadcaster, PerClientBroadcaster):
+                    self.broadcaster.forget(self._client_key(node))
                 log.warning("node %s failed in round %d: %s", node, server_round,
                             msg.error.reason)
                 continue
@@ -246,12 +289,16 @@ class CompressedFedAvg(FedAvg):
                 stats.rejected_by_reason["malformed"] = (
                     stats.rejected_by_reason.get("malformed", 0) + 1)
                 log.warning("node %s sent a malformed reply: %s", node, exc)
+                if isinstance(self.broadcaster, PerClientBroadcaster):
+                    self.broadcaster.forget(self._client_key(node))
                 continue
             stats.client_metrics[node] = metrics
             stats.replica_checks += 1
-            if reported != digest:
+            if reported != self._expected_digest.get(node):
                 stats.replica_mismatches += 1
-                log.error("node %s holds a replica that differs from the server's model", node)
+                log.error("node %s holds a replica that differs from the server's copy", node)
+                if isinstance(self.broadcaster, PerClientBroadcaster):
+                    self.broadcaster.forget(self._client_key(node))
             client_replies.append(ClientReply(
                 node, payload, float(metrics.get("num-examples", 0.0)),
                 order_key=int(metrics.get("partition-id", 0))))
@@ -315,41 +362,26 @@ class CompressedFedAvg(FedAvg):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:
         """Everything needed to continue the run: arrays and JSON-able metadata."""
-        b = self.broadcaster
-        arrays = {f"model/{k}": v for k, v in b.model.items()}
+        arrays, meta = self.broadcaster.state_dict()
         arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
-        arrays.update({f"dl-feedback/{k}": v for k, v in b.feedback.state_dict().items()})
-        arrays.update({f"dl-update/{r}": np.frombuffer(p, dtype=np.uint8)
-                       for r, p in b.updates.items()})
-        meta = {"downlink_round": b.round, "initial_digest": b.initial_digest,
-                "node_rounds": {str(k): v for k, v in self.node_rounds.items()},
-                "uplink_outcomes": self.outcomes.state(),
-                "rng": self.rng.bit_generator.state,
-                "downlink_rng": b.rng.bit_generator.state,
-                "dp_rng": self.dp_rng.bit_generator.state,
-                "dp_history": self.dp.state() if self.dp else [],
-                "dp_clip": self.dp.clip_norm if self.dp else None,
-                "sample_epsilon": self.sample_epsilon,
-                "sample_budget": self.sample_budget.state(),
-                "stopped": self.stopped}
+        meta.update({"node_rounds": {str(k): v for k, v in self.node_rounds.items()},
+                     "uplink_outcomes": self.outcomes.state(),
+                     "rng": self.rng.bit_generator.state,
+                     "dp_rng": self.dp_rng.bit_generator.state,
+                     "dp_history": self.dp.state() if self.dp else [],
+                     "dp_clip": self.dp.clip_norm if self.dp else None,
+                     "sample_epsilon": self.sample_epsilon,
+                     "sample_budget": self.sample_budget.state(),
+                     "stopped": self.stopped})
         return arrays, meta
 
     def load_state_dict(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
-        b = self.broadcaster
-        b.model = {k[len("model/"):]: np.array(v, dtype=np.float32)
-                   for k, v in arrays.items() if k.startswith("model/")}
+        self.broadcaster.load_state_dict(arrays, meta)
         self.optimizer.load_state_dict({k[len("opt/"):]: v for k, v in arrays.items()
                                         if k.startswith("opt/")})
-        b.feedback.load_state_dict({k[len("dl-feedback/"):]: v for k, v in arrays.items()
-                                    if k.startswith("dl-feedback/")})
-        b.updates = {int(k[len("dl-update/"):]): v.tobytes() for k, v in arrays.items()
-                     if k.startswith("dl-update/")}
-        b.round = int(meta["downlink_round"])
-        b.initial_digest = str(meta["initial_digest"])
         self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
         self.outcomes.restore(meta.get("uplink_outcomes", {}))  # older checkpoints: none
         self.rng.bit_generator.state = meta["rng"]
-        b.rng.bit_generator.state = meta["downlink_rng"]
         self.dp_rng.bit_generator.state = meta["dp_rng"]
         if self.dp is not None:
             self.dp.restore(meta["dp_history"])

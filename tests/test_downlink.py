@@ -7,7 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.downlink import Broadcaster, DownlinkMessage, Replica, ReplicaOutOfSync, model_digest
+from fedcomp.downlink import (
+    Broadcaster,
+    DownlinkMessage,
+    PerClientBroadcaster,
+    Replica,
+    ReplicaOutOfSync,
+    model_digest,
+)
 from fedcomp.errors import PayloadError
 from fedcomp.policy import CompressionPolicy
 
@@ -115,3 +122,153 @@ def test_history_never_keeps_more_bytes_than_the_full_model():
         assert sum(len(p) for p in server.updates.values()) <= full
     assert server.message_for(server.round - 1).kind == "delta"
     assert server.message_for(0).kind == "full"  # its updates were dropped
+
+
+# ---------------------------------------------------------------- per-client downlink
+def _moved(server, rng, scale=1.0):
+    return {k: v + np.float32(scale) * rng.standard_normal(v.shape).astype(np.float32)
+            for k, v in server.model.items()}
+
+
+@settings(max_examples=25)
+@given(schedule=st.lists(st.sets(st.integers(0, 3)), min_size=1, max_size=8),
+       seed=st.integers(0, 1000))
+def test_per_client_replicas_equal_the_servers_copy_whatever_the_participation(
+        schedule, seed):
+    rng = np.random.default_rng(seed)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY, seed=seed)
+    full = len(server.full_payload())
+    replicas = [Replica() for _ in range(4)]
+    for participants in schedule:
+        for i in sorted(participants):
+            message = server.message_for(f"c{i}", stream=i, shared_init=True)
+            # One payload, smaller than the model, however many rounds were missed.
+            assert message.kind == "catchup" and len(message.payloads) == 1
+            assert message.nbytes < full
+            replicas[i].apply(message, server.shapes, POLICY, initial=initial)
+            assert model_digest(replicas[i].model) == server.digests[f"c{i}"]
+            assert model_digest(server.replicas[f"c{i}"]) == server.digests[f"c{i}"]
+        server.publish(_moved(server, rng))
+
+
+def test_per_client_catch_up_converges_to_the_servers_model():
+    """What the codec leaves out is sent later: the difference is the client's memory."""
+    rng = np.random.default_rng(0)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    server.publish(_moved(server, rng))
+    gap0 = sum(float(np.sum((v - initial[k]) ** 2)) for k, v in server.model.items())
+    replica = Replica()
+    for _ in range(60):  # the model stands still; Top-10% a message
+        replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                      POLICY, initial=initial)
+    gap = sum(float(np.sum((v - replica.model[k]) ** 2)) for k, v in server.model.items())
+    assert gap < 1e-4 * gap0
+
+
+def test_per_client_message_depends_on_the_client_and_the_stream_not_on_others():
+    rng = np.random.default_rng(1)
+    initial = _model(rng)
+    one, two = PerClientBroadcaster(initial, POLICY, seed=3), PerClientBroadcaster(
+        initial, POLICY, seed=3)
+    target = _moved(one, rng)
+    one.publish(target)
+    two.publish(target)
+    # Another client's messages in between change nothing for "a".
+    two.message_for("b", stream=1, shared_init=True)
+    assert (one.message_for("a", stream=0, shared_init=True).payloads
+            == two.message_for("a", stream=0, shared_init=True).payloads)
+
+
+def test_a_stale_or_foreign_replica_refuses_a_catch_up_and_the_full_model_recovers_it():
+    rng = np.random.default_rng(2)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    replica = Replica()
+    replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                  POLICY, initial=initial)
+    server.publish(_moved(server, rng))
+    lost = server.message_for("a", stream=0, shared_init=True)  # never arrives
+    server.publish(_moved(server, rng))
+    kept = {k: v.copy() for k, v in replica.model.items()}
+    with pytest.raises(ReplicaOutOfSync, match="not the one"):
+        replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                      POLICY, initial=initial)
+    assert all(np.array_equal(kept[k], v) for k, v in replica.model.items())
+    # A client whose round-0 model differs cannot start from it either.
+    other = {k: v + np.float32(1e-3) for k, v in initial.items()}
+    fresh = PerClientBroadcaster(initial, POLICY)
+    with pytest.raises(ReplicaOutOfSync, match="not the one"):
+        Replica().apply(fresh.message_for("z", stream=0, shared_init=True), fresh.shapes,
+                        POLICY, initial=other)
+    # The server forgets what it cannot know; the full model brings the replica back.
+    assert lost.kind == "catchup"
+    server.forget("a")
+    message = server.message_for("a", stream=0, shared_init=True)
+    assert message.kind == "full"
+    replica.apply(message, server.shapes, POLICY, initial=initial)
+    assert model_digest(replica.model) == model_digest(server.model) == server.digests["a"]
+    # Without shared-init a new client gets the full model.
+    assert server.message_for("new", stream=9, shared_init=False).kind == "full"
+
+
+def test_a_reconnecting_client_keeps_its_catch_up_only_if_it_holds_the_replica():
+    rng = np.random.default_rng(3)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    replica = Replica()
+    replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                  POLICY, initial=initial)
+    server.publish(_moved(server, rng))
+    server.reconcile("a", model_digest(replica.model))
+    assert server.message_for("a", stream=0, shared_init=True).kind == "catchup"
+    server.reconcile("a", "")  # restarted without its state
+    assert server.message_for("a", stream=0, shared_init=True).kind == "full"
+    server.reconcile("never-seen", "")  # a first contact stays a first contact
+    assert server.message_for("never-seen", stream=1, shared_init=True).kind == "catchup"
+
+
+def test_a_corrupted_or_misrouted_catch_up_is_rejected_and_leaves_the_replica():
+    rng = np.random.default_rng(4)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    message = server.message_for("a", stream=0, shared_init=True)
+    bad = bytearray(message.payloads[0])
+    bad[len(bad) // 2] ^= 1
+    replica = Replica()
+    with pytest.raises(PayloadError):
+        replica.apply(DownlinkMessage("catchup", 0, 0, (bytes(bad),), message.base_digest),
+                      server.shapes, POLICY, initial=initial)
+    assert replica.model is None
+    with pytest.raises(ReplicaOutOfSync, match="another round"):
+        replica.apply(DownlinkMessage("catchup", 1, 1, message.payloads, message.base_digest),
+                      server.shapes, POLICY, initial=initial)
+    with pytest.raises(ReplicaOutOfSync, match="one payload"):
+        replica.apply(DownlinkMessage("catchup", 0, 0, message.payloads * 2,
+                                      message.base_digest), server.shapes, POLICY,
+                      initial=initial)
+
+
+def test_per_client_state_round_trips_and_continues_identically():
+    rng = np.random.default_rng(5)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY, seed=7)
+    for client in ("a", "b"):
+        server.message_for(client, stream=ord(client), shared_init=True)
+    server.publish(_moved(server, rng))
+    server.message_for("a", stream=ord("a"), shared_init=True)
+    server.forget("b")
+    arrays, meta = server.state_dict()
+    restored = PerClientBroadcaster(initial, POLICY, seed=7)
+    restored.load_state_dict(arrays, meta)
+    target = _moved(server, rng)
+    for side in (server, restored):
+        side.publish(target)
+    for client in ("a", "b", "c"):
+        mine = server.message_for(client, stream=ord(client), shared_init=True)
+        theirs = restored.message_for(client, stream=ord(client), shared_init=True)
+        assert mine == theirs
+    assert [server.message_for("b", stream=0, shared_init=True).kind] == ["catchup"]
+    with pytest.raises(ValueError, match="another round-0 model"):
+        PerClientBroadcaster(_model(rng), POLICY).load_state_dict(arrays, meta)

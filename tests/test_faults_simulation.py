@@ -82,3 +82,39 @@ def test_a_run_killed_after_round_2_and_resumed_ends_with_the_same_model(tmp_pat
         assert [int(r["round"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4]
     whole = np.concatenate([v.ravel() for v in uninterrupted.broadcaster.model.values()])
     assert np.isfinite(whole).all()
+
+
+def test_per_client_downlink_survives_dropouts_and_a_resumed_server(tmp_path):
+    """Catch-ups while replicas are known; the full model once they cannot be."""
+    cfg = RunConfig(num_server_rounds=5, local_steps=2, local_epochs=0,
+                    codec="topk:ratio=0.05|quant:bits=4",
+                    downlink_codec="topk:ratio=0.1|quant:bits=4", downlink_mode="per-client",
+                    fault_dropout=0.25, fault_seed=3, results_dir=str(tmp_path),
+                    run_name="per-client", seed=4)
+
+    def die_after_round_3(server_round: int) -> None:
+        if server_round == 3:
+            raise ServerKilled
+
+    with pytest.raises(Exception) as info:
+        simulate(cfg, num_supernodes=4, on_round_end=die_after_round_3)
+    assert "ServerKilled" in repr(info.value) or isinstance(info.value, ServerKilled)
+    summary, _ = simulate(cfg.replace(resume=True), num_supernodes=4)
+    assert summary["resumed_after_round"] == 3 and summary["rounds_completed"] == 5
+    # Every reply came from a client holding exactly the replica the server kept for it.
+    assert summary["replica_mismatches"] == 0
+
+    model_bytes = 4 * sum(v.size for v in state_arrays(build_model(cfg.dataset, seed=0)).values())
+    with open(tmp_path / "per-client" / "clients.csv") as handle:
+        replies = {(int(r["round"]), int(float(r["partition-id"]))): float(r["downlink-bytes"])
+                   for r in csv.DictReader(handle)}
+    plan = cfg.fault_plan
+    expected_full = 0
+    for (rnd, partition), sent in sorted(replies.items()):
+        dropped_before = rnd > 1 and plan.draw(rnd - 1, partition) == "dropout"
+        # A resumed simulation's clients start empty: each gets the full model once.
+        full = dropped_before or rnd == 4
+        expected_full += full
+        assert (sent > model_bytes) == full, (rnd, partition, sent, model_bytes)
+        assert full or sent < model_bytes / 4
+    assert expected_full >= 5 and len(replies) >= 12  # dropouts and the resume both hit

@@ -93,3 +93,57 @@ def test_each_node_hears_whether_its_last_update_was_applied(make_strategy):
     third = list(strategy.configure_train(3, None, ConfigRecord(), grid))
     assert outcomes(third)[11] == {1: True, 2: False}
     assert all(r.count_bytes() > 0 for m in third for r in m.content.values())
+
+
+
+class QueryingGrid(FakeGrid):
+    """Answers the strategy's partition queries as our ClientApp would (no replica yet)."""
+
+    def send_and_receive(self, messages, timeout=None):
+        return [Message(content=RecordDict({"node": MetricRecord(
+                    {"partition-id": m.metadata.dst_node_id - 10})}), reply_to=m)
+                for m in messages]
+
+
+def test_per_client_downlink_checks_each_replica_and_forgets_what_it_cannot_know(
+        make_strategy):
+    from fedcomp.downlink import Replica
+    from fedcomp.flower import downlink_from_record
+
+    strategy = make_strategy(downlink_codec="topk:ratio=0.1|quant:bits=4",
+                             downlink_mode="per-client", seed=1)
+    grid = QueryingGrid([11, 12, 13])  # clients-per-round 10: all of them train
+    replicas = {node: Replica() for node in grid.nodes}
+    initial = {k: v.copy() for k, v in strategy.broadcaster.model.items()}
+
+    def round_trip(server_round, answering, wrong_digest=()):
+        messages = list(strategy.configure_train(server_round, None, ConfigRecord(), grid))
+        kinds, replies = {}, []
+        for message in messages:
+            node = message.metadata.dst_node_id
+            downlink = downlink_from_record(message.content["downlink"])
+            kinds[node] = downlink.kind
+            replicas[node].apply(downlink, strategy.broadcaster.shapes,
+                                 strategy.cfg.downlink_policy, initial=initial)
+            reply = _reply(message, strategy, server_round, node)
+            held = "0" * 64 if node in wrong_digest else model_digest(replicas[node].model)
+            reply.content["replica"] = ConfigRecord({"digest": held})
+            if node in answering:
+                replies.append(reply)
+        strategy.aggregate_train(server_round, replies)
+        return kinds
+
+    # First contact: a catch-up from the round-0 model each builds from the seed.
+    assert round_trip(1, answering={11, 12}) == {11: "catchup", 12: "catchup", 13: "catchup"}
+    assert sorted(strategy.partition_of.values()) == [1, 2, 3]  # asked even so
+    assert strategy.stats[1].replica_checks == 2 and strategy.stats[1].replica_mismatches == 0
+    # Each replica is its own approximation of the server's model, which moved exactly.
+    assert model_digest(replicas[11].model) != model_digest(strategy.broadcaster.model)
+    # 13 did not answer: the server cannot know what it holds and sends the full model.
+    assert round_trip(2, answering={11, 12, 13}, wrong_digest={12}) == {
+        11: "catchup", 12: "catchup", 13: "full"}
+    assert strategy.stats[2].replica_mismatches == 1
+    assert round_trip(3, answering={11, 12, 13}) == {11: "catchup", 12: "full", 13: "catchup"}
+    assert strategy.stats[3].replica_mismatches == 0
+    _, meta = strategy.state_dict()
+    assert sorted(meta["replica_digests"]) == ["partition-1", "partition-2", "partition-3"]
