@@ -49,7 +49,9 @@ model's price: three times the model for FedAdam). ``--downlink-mode catchup`` k
 each client's replica on the server and sends a sampled client one payload, the codec
 applied to the whole difference between the server's model and its replica (what is
 not sent stays in that difference for next time), so a message costs the same however
-many rounds the client missed. The pilot then reports downlink bytes too.
+many rounds the client missed (the Flower strategy's ``downlink-mode = "per-client"``,
+fedcomp.downlink.PerClientBroadcaster, since session 10). The pilot then reports
+downlink bytes too.
 ``--json`` is rewritten after every evaluation, so a pilot cut short leaves its curve.
 ``--dataset digits`` runs on the small built-in dataset (tests).
 """
