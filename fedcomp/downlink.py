@@ -296,8 +296,13 @@ class PerClientBroadcaster:
             raise ValueError("checkpoint was written from another round-0 model")
         self.digests = {str(k): str(v) for k, v in meta["replica_digests"].items()}
         self.replicas = {client: None for client in meta["unknown_replicas"]}
-        for client in self.digests:
-            self.replicas[client] = _group(arrays, f"dl-replica/{client}/")
+        shapes = self.shapes
+        for client in list(self.digests):
+            replica = _group(arrays, f"dl-replica/{client}/")
+            if {k: v.shape for k, v in replica.items()} == shapes:
+                self.replicas[client] = replica
+            else:  # an incomplete checkpoint: that client gets the full model
+                self.forget(client)
 
 
 @dataclass

@@ -272,3 +272,7 @@ def test_per_client_state_round_trips_and_continues_identically():
     assert [server.message_for("b", stream=0, shared_init=True).kind] == ["catchup"]
     with pytest.raises(ValueError, match="another round-0 model"):
         PerClientBroadcaster(_model(rng), POLICY).load_state_dict(arrays, meta)
+    # A replica missing from the checkpoint is not trusted: that client gets the model.
+    partial = PerClientBroadcaster(initial, POLICY, seed=7)
+    partial.load_state_dict({k: v for k, v in arrays.items() if k != "dl-replica/a/w"}, meta)
+    assert partial.message_for("a", stream=0, shared_init=True).kind == "full"
