@@ -181,13 +181,19 @@ def test_per_client_message_depends_on_the_client_and_the_stream_not_on_others()
             == two.message_for("a", stream=0, shared_init=True).payloads)
 
 
-def test_a_stale_or_foreign_replica_refuses_a_catch_up_and_the_full_model_recovers_it():
-    rng = np.random.default_rng(2)
+def _server_and_a_synced_client(seed):
+    """A per-client server and client "a", whose replica took its first catch-up."""
+    rng = np.random.default_rng(seed)
     initial = _model(rng)
     server = PerClientBroadcaster(initial, POLICY)
     replica = Replica()
     replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
                   POLICY, initial=initial)
+    return rng, initial, server, replica
+
+
+def test_a_stale_or_foreign_replica_refuses_a_catch_up_and_the_full_model_recovers_it():
+    rng, initial, server, replica = _server_and_a_synced_client(2)
     server.publish(_moved(server, rng))
     lost = server.message_for("a", stream=0, shared_init=True)  # never arrives
     server.publish(_moved(server, rng))
@@ -214,12 +220,7 @@ def test_a_stale_or_foreign_replica_refuses_a_catch_up_and_the_full_model_recove
 
 
 def test_a_reconnecting_client_keeps_its_catch_up_only_if_it_holds_the_replica():
-    rng = np.random.default_rng(3)
-    initial = _model(rng)
-    server = PerClientBroadcaster(initial, POLICY)
-    replica = Replica()
-    replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
-                  POLICY, initial=initial)
+    rng, _, server, replica = _server_and_a_synced_client(3)
     server.publish(_moved(server, rng))
     server.reconcile("a", model_digest(replica.model))
     assert server.message_for("a", stream=0, shared_init=True).kind == "catchup"
