@@ -26,9 +26,10 @@ applied to the whole difference between the server's model and its replica. What
 codec leaves out stays in that difference and goes out the next time the client is
 sampled, so the difference is each client's own error feedback, and a message costs
 the same however many rounds the client missed. The price is memory on the server
-(one model per client) and that clients train from slightly different models; the
-pilot in ``experiments/uplink_pilot.py --downlink-mode catchup`` gained 0.6-1.1 points
-over the shared downlink at the same bytes (experiments/RESULTS.md, session 9).
+(one model per client) and that clients train from slightly different models. In the
+headline benchmark, at the same bytes, it closed 62-82% of the gap between the shared
+compressed downlink and the full model (experiments/RESULTS.md, "The per-client
+downlink in Flower").
 Each message names the digest of the replica it applies to, so a client whose replica
 differs (a lost message, a restarted node) refuses it and gets the full model.
 """
