@@ -120,9 +120,7 @@ class Broadcaster:
     def full_payload(self) -> bytes:
         """The shared model itself, losslessly (cached for the current round)."""
         if self._full is None or self._full[0] != self.round:
-            payload = encode_update(self.model, _FULL, rng=self.rng,
-                                    meta={"kind": "full", "round": self.round}).payload
-            self._full = (self.round, payload)
+            self._full = (self.round, _encode_full(self.model, self.round, self.rng))
         return self._full[1]
 
     def publish(self, target: Mapping[str, np.ndarray]) -> int:
@@ -176,6 +174,12 @@ class Broadcaster:
         return DownlinkMessage("full", self.round, self.round, (self.full_payload(),))
 
 
+def _encode_full(model: Mapping[str, np.ndarray], round_: int,
+                 rng: np.random.Generator) -> bytes:
+    """The model itself as one lossless payload, tagged with its round."""
+    return encode_update(model, _FULL, rng=rng, meta={"kind": "full", "round": round_}).payload
+
+
 def _group(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
     """The arrays under ``prefix`` (a checkpoint's group), by their name within it."""
     return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
@@ -222,9 +226,8 @@ class PerClientBroadcaster:
     def full_payload(self) -> bytes:
         """The server's model itself, losslessly (cached for the current round)."""
         if self._full is None or self._full[0] != self.round:
-            payload = encode_update(self.model, _FULL, rng=np.random.default_rng(0),
-                                    meta={"kind": "full", "round": self.round}).payload
-            self._full = (self.round, payload)
+            self._full = (self.round, _encode_full(self.model, self.round,
+                                                   np.random.default_rng(0)))
         return self._full[1]
 
     def publish(self, target: Mapping[str, np.ndarray]) -> int:

@@ -197,6 +197,15 @@ class CompressedFedAvg(FedAvg):
         partition = self.partition_of.get(node)
         return f"partition-{partition}" if partition is not None else f"node-{node}"
 
+    def _forget_replica(self, node: int) -> None:
+        """Per-client downlink: the server no longer knows what ``node`` holds.
+
+        The shared downlink needs nothing here: a node's replica round is a lower
+        bound, and a stale replica refuses the updates and gets the full model.
+        """
+        if isinstance(self.broadcaster, PerClientBroadcaster):
+            self.broadcaster.forget(self._client_key(node))
+
     def _stream(self, node: int) -> int:
         """The per-client downlink codec's random stream: the partition, else the node."""
         return self.partition_of.get(node, node % 2**32)
@@ -232,10 +241,10 @@ class CompressedFedAvg(FedAvg):
                          if isinstance(self.broadcaster, Broadcaster) else "")
         for node in nodes:
             if isinstance(self.broadcaster, PerClientBroadcaster):
+                client = self._client_key(node)
                 downlink = self.broadcaster.message_for(
-                    self._client_key(node), stream=self._stream(node),
-                    shared_init=self.cfg.shared_init)
-                self._expected_digest[node] = self.broadcaster.digests[self._client_key(node)]
+                    client, stream=self._stream(node), shared_init=self.cfg.shared_init)
+                self._expected_digest[node] = self.broadcaster.digests[client]
             else:
                 # A node never seen builds the round-0 model from the seed (shared-init);
                 # -1 marks a node whose replica is unknown: it gets the full model.
@@ -265,18 +274,16 @@ class CompressedFedAvg(FedAvg):
             log.warning("round %d: %d sampled nodes did not reply within %g s",
                         server_round, stats.record.timed_out, self.cfg.round_timeout)
         client_replies = []
-        if isinstance(self.broadcaster, PerClientBroadcaster):
-            # A node that did not reply may or may not hold what it was sent.
-            for node in set(self._sent) - {m.metadata.src_node_id for m in replies}:
-                self.broadcaster.forget(self._client_key(node))
+        # A node that did not reply may or may not hold what it was sent.
+        for node in set(self._sent) - {m.metadata.src_node_id for m in replies}:
+            self._forget_replica(node)
         for msg in replies:
             node = msg.metadata.src_node_id
             if msg.has_error():
                 stats.record.clients_failed += 1
                 # We cannot know how far the node got: send it the full model next time.
                 self.node_rounds[node] = -1
-                if isinstance(self.broadcaster, PerClientBroadcaster):
-                    self.broadcaster.forget(self._client_key(node))
+                self._forget_replica(node)
                 log.warning("node %s failed in round %d: %s", node, server_round,
                             msg.error.reason)
                 continue
@@ -289,16 +296,14 @@ class CompressedFedAvg(FedAvg):
                 stats.rejected_by_reason["malformed"] = (
                     stats.rejected_by_reason.get("malformed", 0) + 1)
                 log.warning("node %s sent a malformed reply: %s", node, exc)
-                if isinstance(self.broadcaster, PerClientBroadcaster):
-                    self.broadcaster.forget(self._client_key(node))
+                self._forget_replica(node)
                 continue
             stats.client_metrics[node] = metrics
             stats.replica_checks += 1
             if reported != self._expected_digest.get(node):
                 stats.replica_mismatches += 1
                 log.error("node %s holds a replica that differs from the server's copy", node)
-                if isinstance(self.broadcaster, PerClientBroadcaster):
-                    self.broadcaster.forget(self._client_key(node))
+                self._forget_replica(node)
             client_replies.append(ClientReply(
                 node, payload, float(metrics.get("num-examples", 0.0)),
                 order_key=int(metrics.get("partition-id", 0))))
