@@ -82,6 +82,7 @@ class RunConfig:
     server_tau: float = 1e-3
     server_lr_schedule: str = "constant"
     server_lr_final: float = 0.0
+    server_average: float = 0.0
     round_timeout: float = 600.0
     eval_every: int = 1
     norm_bound: float = 0.0
@@ -167,6 +168,9 @@ class RunConfig:
             raise SpecError("run config 'downlink-mode' = 'per-client' needs a compressing "
                             "'downlink-codec' (with 'none' every message is the full model: "
                             "use the default 'shared' mode)")
+        if not 0.0 <= self.server_average < 1.0:
+            raise SpecError(f"run config 'server-average' must be in [0, 1) (0: off), got "
+                            f"{self.server_average!r}")
         if self.round_timeout <= 0:
             raise SpecError(f"run config 'round-timeout' must be > 0, got {self.round_timeout!r}")
         try:

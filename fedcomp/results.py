@@ -21,7 +21,7 @@ __all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "RoundRecord", "RunRecorder", "for
 ROUND_COLUMNS = [
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
-    "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s",
+    "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s", "raw_accuracy",
 ]
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
@@ -55,6 +55,9 @@ class RoundRecord:
     epsilon: float = 0.0
     dp_clip: float = 0.0  # the clipping norm C used this round (dp = "client")
     wall_s: float = 0.0  # seconds since the previous round ended (or the run started)
+    #: server-average > 0: the accuracy of the server's own model (``accuracy`` is the
+    #: averaged model's); NaN otherwise.
+    raw_accuracy: float = math.nan
 
 
 class RunRecorder:
@@ -163,6 +166,7 @@ class RunRecorder:
 
     def summary(self) -> dict[str, Any]:
         accuracies = [r.accuracy for r in self.rows if not math.isnan(r.accuracy)]
+        raw = [r.raw_accuracy for r in self.rows if not math.isnan(r.raw_accuracy)]
         last = self.rows[-1] if self.rows else RoundRecord(0)
         fp32_uplink = self.model_bytes * self.replies_ok
         return {
@@ -172,6 +176,7 @@ class RunRecorder:
             "best_accuracy": max(accuracies) if accuracies else None,
             "initial_accuracy": None if math.isnan(self.initial_accuracy)
             else self.initial_accuracy,
+            **({"final_raw_accuracy": raw[-1], "best_raw_accuracy": max(raw)} if raw else {}),
             "rounds_completed": len(self.rows),
             "uplink_bytes": last.cum_uplink_bytes,
             "downlink_bytes": last.cum_downlink_bytes,

@@ -65,17 +65,18 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
 
     def evaluate_fn(flower_round: int, _arrays: Any) -> MetricRecord:
         # Evaluate the server's model: what every client holds (shared downlink), or
-        # holds up to what its own downlink has not sent yet (per-client downlink).
+        # holds up to what its own downlink has not sent yet (per-client downlink);
+        # with server-average, its average over rounds (and the model itself as
+        # raw_accuracy).
         server_round = flower_round + done
-        accuracy, loss = math.nan, math.nan
+        accuracy, loss, raw_accuracy = math.nan, math.nan, math.nan
         if (server_round % cfg.eval_every == 0 or server_round >= cfg.num_server_rounds
                 or (flower_round == 0 and not done)):
-            model.load_state_dict({k: torch.from_numpy(v.copy())
-                                   for k, v in strategy.broadcaster.model.items()})
             # The clients are idle while the server evaluates: use every core.
             torch.set_num_threads(os.cpu_count() or 1)
-            with torch.inference_mode():
-                accuracy, loss = evaluate(model, test.x, test.y)
+            accuracy, loss = _evaluate(model, strategy.evaluated_model(), test)
+            if strategy.average is not None:
+                raw_accuracy, _ = _evaluate(model, strategy.broadcaster.model, test)
             torch.set_num_threads(1)
         if flower_round == 0:
             if not done:
@@ -83,6 +84,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         elif server_round in strategy.stats:
             stats = strategy.stats[server_round]
             stats.record.accuracy, stats.record.loss = accuracy, loss
+            stats.record.raw_accuracy = raw_accuracy
             recorder.record(stats.record, stats.rejected_by_reason, stats.client_metrics)
             if cfg.checkpoint:
                 arrays, meta = strategy.state_dict()
@@ -110,6 +112,14 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "encoder": cfg.encoder_fingerprint({k: v.shape for k, v in initial.items()}),
     }
     return recorder.finish(), strategy
+
+
+def _evaluate(model: torch.nn.Module, arrays: dict[str, Any], test: Any
+              ) -> tuple[float, float]:
+    """Test accuracy and loss of ``arrays`` (loaded into ``model``)."""
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+    with torch.inference_mode():
+        return evaluate(model, test.x, test.y)
 
 
 def _resume(cfg: RunConfig, path: Path, strategy: CompressedFedAvg,

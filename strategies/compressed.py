@@ -45,6 +45,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedcomp.aggregation import ClientReply, aggregate_deltas
+from fedcomp.averaging import ModelAverage
 from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, PerClientBroadcaster, model_digest
 from fedcomp.feedback import OutcomeLedger
@@ -103,6 +104,9 @@ class CompressedFedAvg(FedAvg):
             schedule=cfg.server_lr_schedule, lr_final=cfg.server_lr_final,
             total_steps=cfg.num_server_rounds)
         self.expected = cfg.uplink_policy.expected(self.broadcaster.shapes)
+        #: server-average > 0: the averaged model the run evaluates (server-side only).
+        self.average = (ModelAverage(cfg.server_average, initial)
+                        if cfg.server_average > 0 else None)
         self.rng = np.random.default_rng([cfg.seed, 0x5A])
         #: The round each node's replica is known to be at (a lower bound).
         self.node_rounds: dict[int, int] = {}
@@ -352,6 +356,8 @@ class CompressedFedAvg(FedAvg):
         if result.mean_delta is not None and len(result.accepted) >= self.cfg.min_clients:
             target = self.optimizer.step(self.broadcaster.model, result.mean_delta)
             self.broadcaster.publish(target)
+            if self.average is not None:
+                self.average.update(self.broadcaster.model)
             applied = result.accepted
         else:
             log.warning("round %d: %d accepted updates (< min-clients %d); the model is "
@@ -369,6 +375,8 @@ class CompressedFedAvg(FedAvg):
         """Everything needed to continue the run: arrays and JSON-able metadata."""
         arrays, meta = self.broadcaster.state_dict()
         arrays.update({f"opt/{k}": v for k, v in self.optimizer.state_dict().items()})
+        if self.average is not None:
+            arrays.update({f"avg/{k}": v for k, v in self.average.state_dict().items()})
         meta.update({"node_rounds": {str(k): v for k, v in self.node_rounds.items()},
                      "uplink_outcomes": self.outcomes.state(),
                      "rng": self.rng.bit_generator.state,
@@ -384,6 +392,9 @@ class CompressedFedAvg(FedAvg):
         self.broadcaster.load_state_dict(arrays, meta)
         self.optimizer.load_state_dict({k[len("opt/"):]: v for k, v in arrays.items()
                                         if k.startswith("opt/")})
+        if self.average is not None:
+            self.average.load_state_dict({k[len("avg/"):]: v for k, v in arrays.items()
+                                          if k.startswith("avg/")})
         self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
         self.outcomes.restore(meta.get("uplink_outcomes", {}))  # older checkpoints: none
         self.rng.bit_generator.state = meta["rng"]
@@ -394,6 +405,10 @@ class CompressedFedAvg(FedAvg):
         self.sample_epsilon = float(meta.get("sample_epsilon", 0.0))
         self.sample_budget.restore(meta.get("sample_budget", {}))
         self.stopped = meta.get("stopped")
+
+    def evaluated_model(self) -> dict[str, np.ndarray]:
+        """The model the run evaluates and returns: the average if there is one."""
+        return self.average.value if self.average is not None else self.broadcaster.model
 
     def current_arrays(self) -> ArrayRecord:
         """The shared model as an ArrayRecord."""

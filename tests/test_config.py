@@ -37,6 +37,7 @@ def test_round_trip_through_kebab_case_keys():
         ({"server-optimizer": "adagrad"}, "'server-optimizer' must be one of"),
         ({"batch-size": 0}, "'batch-size' must be >= 1"),
         ({"feedback": "ef21"}, "'ef21' is not supported in a run"),
+        ({"server-average": 1.0}, "'server-average' must be in"),
     ],
 )
 def test_bad_values_are_refused_with_the_key_named(values, fragment):

@@ -95,6 +95,28 @@ def test_each_node_hears_whether_its_last_update_was_applied(make_strategy):
     assert all(r.count_bytes() > 0 for m in third for r in m.content.values())
 
 
+def test_server_average_follows_each_applied_step_and_survives_a_checkpoint(make_strategy):
+    strategy = make_strategy(server_average=0.9)
+    assert strategy.evaluated_model() is strategy.average.value
+    grid = FakeGrid([11, 12])
+    for round_ in (1, 2):
+        messages = list(strategy.configure_train(round_, None, ConfigRecord(), grid))
+        strategy.aggregate_train(round_, [_reply(m, strategy, round_, m.metadata.dst_node_id)
+                                          for m in messages])
+    assert strategy.average.updates == 2
+    # The clients' model moved; the evaluated one is between it and the start.
+    model, averaged = strategy.broadcaster.model, strategy.evaluated_model()
+    assert not np.array_equal(model["w"], averaged["w"])
+    arrays, meta = strategy.state_dict()
+    resumed = make_strategy(server_average=0.9)
+    resumed.load_state_dict(arrays, meta)
+    assert resumed.average.updates == 2
+    np.testing.assert_array_equal(resumed.evaluated_model()["w"], averaged["w"])
+    # Without server-average the evaluated model is the server's own.
+    plain = make_strategy()
+    assert plain.average is None and plain.evaluated_model() is plain.broadcaster.model
+
+
 
 class QueryingGrid(FakeGrid):
     """Answers the strategy's partition queries as our ClientApp would (no replica yet)."""
