@@ -145,7 +145,9 @@ class RunRecorder:
                       if row.uplink_bytes else math.nan)
             print(
                 f"[round {row.round:>3}/{self.num_rounds}] acc {row.accuracy:.4f} "
-                f"loss {row.loss:.4f} | up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
+                + (f"(raw {row.raw_accuracy:.4f}) " if math.isfinite(row.raw_accuracy)
+                   else "")
+                + f"loss {row.loss:.4f} | up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
                 f"vs fp32) down {row.downlink_bytes / 1e3:,.1f} kB | ok {row.clients_ok} "
                 f"failed {row.clients_failed} rejected {row.rejected} late {row.timed_out} | "
                 f"{time.perf_counter() - self.started:.1f} s",

@@ -29,8 +29,23 @@ def test_rounds_csv_and_summary_json(tmp_path):
     assert summary["uplink_compression"] == 20.0
     assert summary["rejected_updates"] == 4
     assert summary["rejected_by_reason"] == {"checksum": 3, "stale": 1}
+    assert "best_raw_accuracy" not in summary  # no server-average: no raw figures
     table = format_summary_table([summary])
     assert "run" in table.splitlines()[0] and "20.0" in table
+
+
+def test_an_averaged_run_keeps_the_raw_models_accuracy_beside_it(tmp_path, capsys):
+    recorder = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3)
+    recorder.record(RoundRecord(1, accuracy=0.6, raw_accuracy=0.65, clients_ok=1))
+    recorder.record(RoundRecord(2, clients_ok=1))  # not evaluated
+    recorder.record(RoundRecord(3, accuracy=0.8, raw_accuracy=0.7, clients_ok=1))
+    summary = recorder.finish()
+    assert summary["best_accuracy"] == 0.8 and summary["final_raw_accuracy"] == 0.7
+    assert summary["best_raw_accuracy"] == 0.7
+    with open(tmp_path / "run" / "rounds.csv") as handle:
+        raw = [r["raw_accuracy"] for r in csv.DictReader(handle)]
+    assert raw == ["0.65", "nan", "0.7"]
+    assert "acc 0.6000 (raw 0.6500)" in capsys.readouterr().out
 
 
 def test_clients_csv_has_a_row_per_reply_and_survives_a_resume(tmp_path):
