@@ -115,13 +115,15 @@ def bytes_to_target(rounds: list[dict[str, float]], target: float
 
 
 def is_plain_fedavg(config: dict[str, Any]) -> bool:
-    """Whether a run's config is plain FedAvg: no codec, the averaging server rule.
+    """Whether a run's config is plain FedAvg: no codec, the averaging server rule, and
+    the server's own model evaluated (no ``server-average``).
 
-    Configs written before the server optimizer existed lack its keys; they were FedAvg.
+    Configs written before these settings existed lack their keys; they were FedAvg.
     """
     return (config.get("codec") == "none"
             and config.get("server-optimizer", "sgd") == "sgd"
-            and float(config.get("server-lr", 1.0)) == 1.0)
+            and float(config.get("server-lr", 1.0)) == 1.0
+            and float(config.get("server-average", 0.0)) == 0.0)
 
 
 def reference_method(methods: list[MethodResult], name: str | None = None

@@ -236,12 +236,15 @@ def test_smoke_sweep_through_the_command_line(tmp_path):
 
 
 def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
-    """An uncompressed run with another server optimizer is a method, not the baseline."""
+    """An uncompressed run with another server optimizer, or whose server averages its
+    models, is a method, not the baseline."""
     acc = {"none": [0.5, 0.8, 0.9], "sign": [0.3, 0.6, 0.85]}
     sweep = Sweep(base={"num-server-rounds": 3, "seed": 0}, grid={},
                   methods=[{"name": "FedAvg", "codec": "none"},
                            {"name": "FedAdam", "codec": "none", "server-optimizer": "adam",
                             "server-lr": 0.01},
+                           {"name": "FedAvg averaged", "codec": "none",
+                            "server-average": 0.9},
                            {"name": "sign", "codec": "sign"}])
 
     def runner(cfg: RunConfig, num_supernodes: int) -> dict:
@@ -249,7 +252,8 @@ def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
                                model_bytes=1000, num_rounds=3, verbose=False)
         # FedAdam is better than FedAvg: were it a baseline, the target would rise and
         # the factors would be taken against its bytes.
-        curve = [0.85, 0.95, 0.99] if cfg.server_optimizer == "adam" else acc[cfg.codec]
+        better = cfg.server_optimizer == "adam" or cfg.server_average > 0
+        curve = [0.85, 0.95, 0.99] if better else acc[cfg.codec]
         for rnd, a in enumerate(curve, 1):
             recorder.record(RoundRecord(rnd, accuracy=a, clients_ok=1,
                                         uplink_bytes=1000 if cfg.codec == "none" else 50,
@@ -267,6 +271,7 @@ def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
     # To 0.8 FedAvg needs 2 rounds (2000 bytes), FedAdam 1 (1000: 2.0x) and sign 3
     # (150 bytes): 13.3x against FedAvg; against FedAdam it would read 6.7x.
     assert rows["FedAdam"][7].strip() == "2.0"
+    assert rows["FedAvg averaged"][7].strip() == "2.0"
     assert rows["sign"][7].strip() == "13.3"
 
 
