@@ -135,6 +135,25 @@ def test_bytes_to_target_on_a_hand_made_rounds_file():
     assert bytes_to_target(sparse, 0.85) == (4, 400, 4400)
 
 
+def test_a_run_that_scores_the_printed_target_reaches_it():
+    """FedAvg's best 0.9019 and 0.8951 make the target 0.8885 (not 0.8885000000000001)."""
+    from fedcomp.report import RunResult
+
+    def run(run_id, seed, method, accuracies):
+        rounds = [{"round": i, "accuracy": a, "cum_uplink_bytes": 10 * i,
+                   "cum_downlink_bytes": 10 * i} for i, a in enumerate(accuracies, 1)]
+        config = {"codec": "none"} if method == "FedAvg" else {"codec": "sign"}
+        return RunResult(run_id, {"method": method, "seed": seed}, rounds,
+                         {"config": config, "best_accuracy": max(accuracies)})
+
+    runs = [run("a", 0, "FedAvg", [0.85, 0.9019]), run("b", 1, "FedAvg", [0.85, 0.8951]),
+            run("c", 0, "sign", [0.8884, 0.8885]), run("d", 1, "sign", [0.8885, 0.80])]
+    target, methods = build_report(runs)
+    assert f"{target:.4f}" == "0.8885"
+    sign = next(m for m in methods if m.method == "sign")
+    assert sign.round_to_target == [2, 1]
+
+
 def test_report_computes_factors_against_the_uncompressed_runs_and_draws_plots(tmp_path):
     run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)
     target, methods = build_report(load_runs(tmp_path))
