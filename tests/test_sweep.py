@@ -77,7 +77,7 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
         Sweep(base={"codecs": "sign"}, grid={})
     with pytest.raises(SpecError, match="set by the sweep itself"):
         Sweep(base={"run-name": "x"}, grid={})
-    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 42  # 21 x 2
+    assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 46  # 23 x 2
     local = Sweep.load(ROOT / "experiments/sweeps/local_epochs.toml").runs
     assert len(local) == 8
     # Its 1-epoch FedAvg is the headline's run: same config, same id, so it is reused.
