@@ -2,14 +2,14 @@
 
 Why: with 10 of 100 non-IID clients a round, each round's model leans toward the
 clients just drawn, and a sparse uplink adds its own round-to-round noise; the test
-accuracy of consecutive evaluations swings by +-0.5 points in the headline setting
-(experiments/RESULTS.md). Averaging the iterates (Polyak and Juditsky, 1992; in
-federated learning the server-side SWA of Caldarola et al., 2022, "Improving
-Generalization in Federated Learning by Seeking Flat Minima") averages over the
-clients drawn in recent rounds as well as over the noise. It lives on the server only:
-clients keep training from the server's own model, no byte is sent for it, and the
-averaged model is the one a run evaluates (``accuracy`` in ``rounds.csv``; the
-server's own model's is ``raw_accuracy``).
+accuracy of consecutive evaluations (5 rounds apart) differs by up to 2 points in the
+headline setting (experiments/RESULTS.md, "Server-side model averaging"). Averaging
+the iterates (Polyak and Juditsky, 1992; in federated learning the server-side SWA of
+Caldarola et al., 2022, "Improving Generalization in Federated Learning by Seeking
+Flat Minima") averages over the clients drawn in recent rounds as well as over the
+noise. It lives on the server only: clients keep training from the server's own
+model, no byte is sent for it, and the averaged model is the one a run evaluates
+(``accuracy`` in ``rounds.csv``; the server's own model's is ``raw_accuracy``).
 
 The decay warms up as TensorFlow's ``ExponentialMovingAverage`` with ``num_updates``
 does, ``min(decay, (1 + t) / (10 + t))`` at the t-th update, so the first rounds'
@@ -34,7 +34,8 @@ class ModelAverage:
     ----------
     decay
         The long-run decay ``d`` in [0, 1): 0 keeps only the latest model; 0.9
-        averages over about the last ten rounds.
+        averages over about the last ten rounds once the warm-up's decay reaches it
+        (after 80 updates; before, about the last ``(10 + t) / 9``).
     initial
         The model the average starts from (the round-0 model).
 

@@ -163,7 +163,8 @@ def build_report(runs: list[RunResult], target: float | None = None,
     if target is None:
         if baseline is None:
             raise ValueError("no plain FedAvg run (codec = \"none\", server-optimizer = "
-                             "\"sgd\", server-lr = 1) to take the target from: pass --target")
+                             "\"sgd\", server-lr = 1, server-average = 0) to take the target "
+                             "from: pass --target")
         # Rounded: 0.8985 - 0.01 is 0.8885000000000001 in floats, and a run that
         # scores the printed target, 0.8885, must count as reaching it.
         target = round(statistics.mean(baseline.best_accuracy) - 0.01, 10)

@@ -407,7 +407,7 @@ class CompressedFedAvg(FedAvg):
         self.stopped = meta.get("stopped")
 
     def evaluated_model(self) -> dict[str, np.ndarray]:
-        """The model the run evaluates and returns: the average if there is one."""
+        """The model the run evaluates: the average with server-average, else the model."""
         return self.average.value if self.average is not None else self.broadcaster.model
 
     def current_arrays(self) -> ArrayRecord:
