@@ -19,7 +19,7 @@ average does not hold on to the random initial model.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -46,15 +46,14 @@ class ModelAverage:
     """
 
     decay: float
-    initial: Mapping[str, np.ndarray]
+    initial: InitVar[Mapping[str, np.ndarray]]
     updates: int = 0
-    value: dict[str, np.ndarray] = field(init=False)
+    value: dict[str, np.ndarray] = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, initial: Mapping[str, np.ndarray]) -> None:
         if not 0.0 <= self.decay < 1.0:
             raise ValueError(f"model-average decay must be in [0, 1), got {self.decay!r}")
-        self.value = {k: np.array(v, dtype=np.float32, copy=True)
-                      for k, v in self.initial.items()}
+        self.value = {k: np.array(v, dtype=np.float32, copy=True) for k, v in initial.items()}
 
     def current_decay(self) -> float:
         """The decay the next update uses (warm-up included)."""
