@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "load_checkpoint", "load_model", "save_checkpoint",
+           "save_model"]
 
 _META = "__meta__"
 FORMAT = "fedcomp.checkpoint/1"
@@ -29,10 +30,30 @@ class CheckpointError(ValueError):
 def save_checkpoint(path: str | Path, arrays: Mapping[str, np.ndarray],
                     meta: Mapping[str, Any]) -> None:
     """Write ``arrays`` and ``meta`` to ``path`` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     blob = json.dumps({"format": FORMAT, **meta}).encode()
-    payload = {**arrays, _META: np.frombuffer(blob, dtype=np.uint8)}
+    _save_atomically(Path(path), {**arrays, _META: np.frombuffer(blob, dtype=np.uint8)})
+
+
+def save_model(path: str | Path, arrays: Mapping[str, np.ndarray]) -> None:
+    """Write a model's tensors to ``path`` (``.npz``, one array per tensor name).
+
+    Plain ``np.savez`` keys, so a notebook loads it with ``np.load`` and
+    ``model.load_state_dict({k: torch.from_numpy(v) for k, v in np.load(path).items()})``.
+    """
+    _save_atomically(Path(path), arrays)
+
+
+def load_model(path: str | Path) -> dict[str, np.ndarray]:
+    """Read a model written by :func:`save_model` (never unpickles)."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read model {path}: {exc}") from None
+
+
+def _save_atomically(path: Path, payload: Mapping[str, np.ndarray]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:

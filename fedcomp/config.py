@@ -83,6 +83,7 @@ class RunConfig:
     server_lr_schedule: str = "constant"
     server_lr_final: float = 0.0
     server_average: float = 0.0
+    save_model_every: int = 0
     round_timeout: float = 600.0
     eval_every: int = 1
     norm_bound: float = 0.0
@@ -171,6 +172,9 @@ class RunConfig:
         if not 0.0 <= self.server_average < 1.0:
             raise SpecError(f"run config 'server-average' must be in [0, 1) (0: off), got "
                             f"{self.server_average!r}")
+        if self.save_model_every < 0:
+            raise SpecError(f"run config 'save-model-every' must be >= 0 (0: off), got "
+                            f"{self.save_model_every!r}")
         if self.round_timeout <= 0:
             raise SpecError(f"run config 'round-timeout' must be > 0, got {self.round_timeout!r}")
         try:
@@ -250,11 +254,14 @@ class RunConfig:
 
         Only settings that differ from their defaults enter it, so a new setting
         added later (with a default that keeps the old behaviour) leaves the ids of
-        completed sweep runs and the checkpoints of old runs valid.
+        completed sweep runs and the checkpoints of old runs valid. Settings that only
+        say where and what to write (run name, folder, checkpoint, saved models) or
+        whether to resume do not shape results and stay out.
         """
         defaults = RunConfig().to_mapping()
         settings = {k: v for k, v in self.to_mapping().items()
-                    if k not in ("run-name", "results-dir", "resume", "checkpoint")
+                    if k not in ("run-name", "results-dir", "resume", "checkpoint",
+                                 "save-model-every")
                     and v != defaults[k]}
         blob = json.dumps(settings, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:10]

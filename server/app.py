@@ -17,7 +17,7 @@ import torch
 from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedcomp.checkpoint import load_checkpoint, save_checkpoint
+from fedcomp.checkpoint import load_checkpoint, save_checkpoint, save_model
 from fedcomp.config import RunConfig
 from fedcomp.data import load_dataset
 from fedcomp.models import build_model
@@ -43,6 +43,10 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
     After every round the results files are updated and, with ``checkpoint = true``,
     ``checkpoint.npz`` is written atomically beside them. With ``resume = true`` a
     run continues from that checkpoint (same run name, same settings).
+    With ``save-model-every = N`` the server's model after round 0, every N-th round
+    and the last goes to ``models/round-NNNN.npz`` (with ``server-average``, the
+    average to ``round-NNNN.average.npz``): what a user loads in a notebook, and what
+    lets averaging schemes be compared offline on one run's models.
     ``on_round_end(round)`` is called after the checkpoint (tests use it to play a
     server that dies).
     """
@@ -81,11 +85,15 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         if flower_round == 0:
             if not done:
                 recorder.initial_accuracy = accuracy
+                _save_models(cfg, recorder.out_dir, 0, strategy)
         elif server_round in strategy.stats:
             stats = strategy.stats[server_round]
             stats.record.accuracy, stats.record.loss = accuracy, loss
             stats.record.raw_accuracy = raw_accuracy
             recorder.record(stats.record, stats.rejected_by_reason, stats.client_metrics)
+            if cfg.save_model_every and (server_round % cfg.save_model_every == 0
+                                         or server_round >= cfg.num_server_rounds):
+                _save_models(cfg, recorder.out_dir, server_round, strategy)
             if cfg.checkpoint:
                 arrays, meta = strategy.state_dict()
                 save_checkpoint(checkpoint_path, arrays, {
@@ -112,6 +120,17 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "encoder": cfg.encoder_fingerprint({k: v.shape for k, v in initial.items()}),
     }
     return recorder.finish(), strategy
+
+
+def _save_models(cfg: RunConfig, out_dir: Path, server_round: int,
+                 strategy: CompressedFedAvg) -> None:
+    """Write the server's model (and its average) after ``server_round``."""
+    if not cfg.save_model_every:
+        return
+    stem = Path(out_dir) / "models" / f"round-{server_round:04d}"
+    save_model(stem.with_suffix(".npz"), strategy.broadcaster.model)
+    if strategy.average is not None:
+        save_model(stem.with_suffix(".average.npz"), strategy.average.value)
 
 
 def _evaluate(model: torch.nn.Module, arrays: dict[str, Any], test: Any

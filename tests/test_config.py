@@ -38,6 +38,7 @@ def test_round_trip_through_kebab_case_keys():
         ({"batch-size": 0}, "'batch-size' must be >= 1"),
         ({"feedback": "ef21"}, "'ef21' is not supported in a run"),
         ({"server-average": 1.0}, "'server-average' must be in"),
+        ({"save-model-every": -1}, "'save-model-every' must be >= 0"),
     ],
 )
 def test_bad_values_are_refused_with_the_key_named(values, fragment):
