@@ -165,3 +165,33 @@ def test_retraining_moves_only_the_support_and_keeps_the_rest_for_the_memory():
     # The model itself moved only on the support.
     after = state_arrays(model)["conv2.weight"]
     np.testing.assert_array_equal(after[~mask], start["conv2.weight"][~mask])
+
+
+def test_offline_averages_agree_with_their_definitions():
+    averaging = _load("average_offline")
+    from fedcomp.averaging import ModelAverage
+
+    rng = np.random.default_rng(0)
+    models = [{"w": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(9)]
+    uniform = [np.mean([m["w"] for m in models[1:r + 1]], axis=0) for r in range(1, 9)]
+    # poly:0 and tail:1 are both the uniform average of every model since round 1.
+    for scheme in ("poly:0", "tail:1"):
+        got = [v["w"] for v in averaging.averages(models, scheme)]
+        np.testing.assert_allclose(got, uniform, rtol=1e-5, atol=1e-6)
+    # tail:0.5 at round 8 averages rounds 5-8; unwanted rounds are skipped.
+    tail = list(averaging.averages(models, "tail:0.5", wanted={8}))
+    assert tail[:7] == [None] * 7
+    np.testing.assert_allclose(tail[7]["w"], np.mean([m["w"] for m in models[5:9]], axis=0),
+                               rtol=1e-5, atol=1e-6)
+    # A larger eta forgets the early models faster.
+    poly3 = [v["w"] for v in averaging.averages(models, "poly:3")]
+    assert np.abs(poly3[-1] - models[-1]["w"]).sum() < np.abs(uniform[-1] - models[-1]["w"]).sum()
+    # ema:D is what the server runs, bit for bit; raw is the model itself.
+    server = ModelAverage(0.9, models[0])
+    for model, replayed in zip(models[1:], averaging.averages(models, "ema:0.9"), strict=True):
+        server.update(model)
+        np.testing.assert_array_equal(replayed["w"], server.value["w"])
+    assert [v["w"] is m["w"] for v, m in zip(averaging.averages(models, "raw"), models[1:],
+                                              strict=True)] == [True] * 8
+    with pytest.raises(ValueError, match="unknown scheme"):
+        next(averaging.averages(models, "swa"))
