@@ -3,7 +3,7 @@
     fedcomp simulate [--num-supernodes 10] [--run-config "key=value ..."]
     fedcomp sweep experiments/sweeps/smoke.toml --out results/smoke
     fedcomp report results/smoke [--target 0.9] [--extra-target 0.8 ...] [--at-round 50 ...]
-        [--reference METHOD]
+        [--reference METHOD] [--paired]
     fedcomp deploy certs|connection|superlink|register|supernode|run ...
 
 ``simulate`` wraps Flower's own CLI (``flwr run . local``), because that is the path
@@ -252,7 +252,8 @@ def report(args: argparse.Namespace) -> int:
     from fedcomp.report import current_encoder, write_report
 
     table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,
-                                args.reference, fingerprint=current_encoder)
+                                args.reference, fingerprint=current_encoder,
+                                paired=args.paired)
     print(table)
     print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
     return 0
@@ -287,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--reference", default=None, metavar="METHOD",
                      help="the method the target and factors come from (default: the one "
                           "plain FedAvg method; required where there are several)")
+    rep.add_argument("--paired", action="store_true",
+                     help="after each bytes-to-target table, the factors seed by seed "
+                          "against the reference run of the same seed")
     rep.set_defaults(handler=report)
     _add_deploy_parser(commands)
     args = parser.parse_args(argv)
