@@ -106,6 +106,7 @@ class RunConfig:
     dp_clip_lr: float = 0.2
     dp_clipped_count_stddev: float = 0.0
     checkpoint: bool = True
+    checkpoint_every: int = 1
     resume: bool = False
     seed: int = 0
     run_name: str = ""
@@ -134,7 +135,7 @@ class RunConfig:
                 raise SpecError(f"run config {config_key(name)!r} must be one of "
                                 f"{', '.join(choices)}; got {getattr(self, name)!r}")
         positive = ("num_server_rounds", "batch_size", "classes_per_client", "min_clients",
-                    "downlink_history", "eval_every")
+                    "downlink_history", "eval_every", "checkpoint_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise SpecError(f"run config {config_key(name)!r} must be >= 1, "
@@ -261,7 +262,7 @@ class RunConfig:
         defaults = RunConfig().to_mapping()
         settings = {k: v for k, v in self.to_mapping().items()
                     if k not in ("run-name", "results-dir", "resume", "checkpoint",
-                                 "save-model-every")
+                                 "checkpoint-every", "save-model-every")
                     and v != defaults[k]}
         blob = json.dumps(settings, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:10]

@@ -117,6 +117,23 @@ class RunRecorder:
         self.started = time.perf_counter() - float(state["elapsed_s"])
         self._clients_fresh = False  # keep the rows of the rounds before the restart
         self._rewrite_csv()
+        self._drop_client_rows_after(self.rows[-1].round if self.rows else 0)
+
+    def _drop_client_rows_after(self, last_round: int) -> None:
+        """Forget clients.csv rows of rounds the checkpoint does not hold.
+
+        They were written by a run that died after them but before its next
+        checkpoint (with ``checkpoint-every`` > 1, or between the two writes); the
+        resumed run replays those rounds and writes their rows again.
+        """
+        if not self._clients_path.exists():
+            return
+        with self._clients_path.open(newline="") as handle:
+            rows = list(csv.reader(handle))
+        kept = rows[:1] + [r for r in rows[1:] if r and int(r[0]) <= last_round]
+        if len(kept) != len(rows):
+            with self._clients_path.open("w", newline="") as handle:
+                csv.writer(handle).writerows(kept)
 
     def record(self, row: RoundRecord, rejected_by_reason: dict[str, int] | None = None,
                clients: dict[int, dict[str, float]] | None = None) -> None:

@@ -83,6 +83,27 @@ def test_a_run_killed_after_round_2_and_resumed_ends_with_the_same_model(tmp_pat
     whole = np.concatenate([v.ravel() for v in uninterrupted.broadcaster.model.values()])
     assert np.isfinite(whole).all()
 
+    # Checkpointing every 2 rounds: killed after round 3, the run resumes after round 2,
+    # replays round 3 and still ends with the same model, each round's rows once.
+    def die_after_round_3(server_round: int) -> None:
+        if server_round == 3:
+            raise ServerKilled
+
+    sparse = base.replace(run_name="every-2", checkpoint_every=2)
+    assert sparse.digest() == base.digest()  # same run id
+    with pytest.raises(Exception) as info:
+        simulate(sparse, num_supernodes=3, on_round_end=die_after_round_3)
+    assert "ServerKilled" in repr(info.value) or isinstance(info.value, ServerKilled)
+    summary, resumed = simulate(sparse.replace(resume=True), num_supernodes=3)
+    assert summary["resumed_after_round"] == 2 and summary["rounds_completed"] == 4
+    assert model_digest(resumed.broadcaster.model) == model_digest(
+        uninterrupted.broadcaster.model)
+    with open(tmp_path / "every-2" / "rounds.csv") as handle:
+        assert [int(r["round"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4]
+    with open(tmp_path / "every-2" / "clients.csv") as handle:
+        replies = [(int(r["round"]), r["partition-id"]) for r in csv.DictReader(handle)]
+    assert len(replies) == len(set(replies)) and {r for r, _ in replies} == {1, 2, 3, 4}
+
 
 def test_per_client_downlink_survives_dropouts_and_a_resumed_server(tmp_path):
     """Catch-ups while replicas are known; the full model once they cannot be."""

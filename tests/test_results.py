@@ -75,3 +75,20 @@ def test_clients_csv_has_a_row_per_reply_and_survives_a_resume(tmp_path):
     fresh.record(RoundRecord(1), None, {9: {"partition-id": 0.0}})
     with open(tmp_path / "run" / "clients.csv") as handle:
         assert [r["node_id"] for r in csv.DictReader(handle)] == ["9"]
+
+
+def test_a_resume_forgets_client_rows_of_rounds_after_its_checkpoint(tmp_path):
+    """A run that died after round 2 but checkpointed after round 1 replays round 2."""
+    recorder = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3,
+                           verbose=False)
+    recorder.record(RoundRecord(1, clients_ok=1), None, {5: {"partition-id": 0.0}})
+    state = recorder.state()  # the checkpoint holds round 1 only
+    recorder.record(RoundRecord(2, clients_ok=1), None, {6: {"partition-id": 1.0}})
+    resumed = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3, verbose=False)
+    resumed.restore(state)
+    resumed.record(RoundRecord(2, clients_ok=1), None, {8: {"partition-id": 1.0}})
+    with open(tmp_path / "run" / "clients.csv") as handle:
+        assert [(r["round"], r["node_id"]) for r in csv.DictReader(handle)] == [
+            ("1", "5"), ("2", "8")]
+    with open(tmp_path / "run" / "rounds.csv") as handle:
+        assert [r["round"] for r in csv.DictReader(handle)] == ["1", "2"]
