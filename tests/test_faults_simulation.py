@@ -58,6 +58,18 @@ class ServerKilled(Exception):
     pass
 
 
+def _kill_after(cfg: RunConfig, server_round: int, num_supernodes: int) -> None:
+    """Run ``cfg`` until its server dies at the end of ``server_round``."""
+
+    def die(finished_round: int) -> None:
+        if finished_round == server_round:
+            raise ServerKilled
+
+    with pytest.raises(Exception) as info:
+        simulate(cfg, num_supernodes=num_supernodes, on_round_end=die)
+    assert "ServerKilled" in repr(info.value) or isinstance(info.value, ServerKilled)
+
+
 def test_a_run_killed_after_round_2_and_resumed_ends_with_the_same_model(tmp_path):
     base = RunConfig(num_server_rounds=4, local_steps=2, local_epochs=0, feedback="none",
                      codec="topk:ratio=0.05|quant:bits=4",
@@ -65,14 +77,8 @@ def test_a_run_killed_after_round_2_and_resumed_ends_with_the_same_model(tmp_pat
                      results_dir=str(tmp_path), seed=5)
     _, uninterrupted = simulate(base.replace(run_name="whole"), num_supernodes=3)
 
-    def die_after_round_2(server_round: int) -> None:
-        if server_round == 2:
-            raise ServerKilled
-
     interrupted = base.replace(run_name="killed")
-    with pytest.raises(Exception) as info:
-        simulate(interrupted, num_supernodes=3, on_round_end=die_after_round_2)
-    assert "ServerKilled" in repr(info.value) or isinstance(info.value, ServerKilled)
+    _kill_after(interrupted, 2, num_supernodes=3)
     summary, resumed = simulate(interrupted.replace(resume=True), num_supernodes=3)
 
     assert summary["resumed_after_round"] == 2 and summary["rounds_completed"] == 4
@@ -85,15 +91,9 @@ def test_a_run_killed_after_round_2_and_resumed_ends_with_the_same_model(tmp_pat
 
     # Checkpointing every 2 rounds: killed after round 3, the run resumes after round 2,
     # replays round 3 and still ends with the same model, each round's rows once.
-    def die_after_round_3(server_round: int) -> None:
-        if server_round == 3:
-            raise ServerKilled
-
     sparse = base.replace(run_name="every-2", checkpoint_every=2)
     assert sparse.digest() == base.digest()  # same run id
-    with pytest.raises(Exception) as info:
-        simulate(sparse, num_supernodes=3, on_round_end=die_after_round_3)
-    assert "ServerKilled" in repr(info.value) or isinstance(info.value, ServerKilled)
+    _kill_after(sparse, 3, num_supernodes=3)
     summary, resumed = simulate(sparse.replace(resume=True), num_supernodes=3)
     assert summary["resumed_after_round"] == 2 and summary["rounds_completed"] == 4
     assert model_digest(resumed.broadcaster.model) == model_digest(
@@ -113,13 +113,7 @@ def test_per_client_downlink_survives_dropouts_and_a_resumed_server(tmp_path):
                     fault_dropout=0.25, fault_seed=3, results_dir=str(tmp_path),
                     run_name="per-client", seed=4)
 
-    def die_after_round_3(server_round: int) -> None:
-        if server_round == 3:
-            raise ServerKilled
-
-    with pytest.raises(Exception) as info:
-        simulate(cfg, num_supernodes=4, on_round_end=die_after_round_3)
-    assert "ServerKilled" in repr(info.value) or isinstance(info.value, ServerKilled)
+    _kill_after(cfg, 3, num_supernodes=4)
     summary, _ = simulate(cfg.replace(resume=True), num_supernodes=4)
     assert summary["resumed_after_round"] == 3 and summary["rounds_completed"] == 5
     # Every reply came from a client holding exactly the replica the server kept for it.
