@@ -77,32 +77,25 @@ def test_a_run_killed_after_round_2_and_resumed_ends_with_the_same_model(tmp_pat
                      results_dir=str(tmp_path), seed=5)
     _, uninterrupted = simulate(base.replace(run_name="whole"), num_supernodes=3)
 
-    interrupted = base.replace(run_name="killed")
-    _kill_after(interrupted, 2, num_supernodes=3)
-    summary, resumed = simulate(interrupted.replace(resume=True), num_supernodes=3)
-
-    assert summary["resumed_after_round"] == 2 and summary["rounds_completed"] == 4
-    assert model_digest(resumed.broadcaster.model) == model_digest(
-        uninterrupted.broadcaster.model)
-    with open(tmp_path / "killed" / "rounds.csv") as handle:
-        assert [int(r["round"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4]
     whole = np.concatenate([v.ravel() for v in uninterrupted.broadcaster.model.values()])
     assert np.isfinite(whole).all()
 
-    # Checkpointing every 2 rounds: killed after round 3, the run resumes after round 2,
-    # replays round 3 and still ends with the same model, each round's rows once.
-    sparse = base.replace(run_name="every-2", checkpoint_every=2)
-    assert sparse.digest() == base.digest()  # same run id
-    _kill_after(sparse, 3, num_supernodes=3)
-    summary, resumed = simulate(sparse.replace(resume=True), num_supernodes=3)
-    assert summary["resumed_after_round"] == 2 and summary["rounds_completed"] == 4
-    assert model_digest(resumed.broadcaster.model) == model_digest(
-        uninterrupted.broadcaster.model)
-    with open(tmp_path / "every-2" / "rounds.csv") as handle:
-        assert [int(r["round"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4]
-    with open(tmp_path / "every-2" / "clients.csv") as handle:
-        replies = [(int(r["round"]), r["partition-id"]) for r in csv.DictReader(handle)]
-    assert len(replies) == len(set(replies)) and {r for r, _ in replies} == {1, 2, 3, 4}
+    # Checkpointed every round and killed after round 2; checkpointed every 2 rounds and
+    # killed after round 3 (so round 3 is replayed). Both resume after round 2 and end
+    # with the uninterrupted run's model, each round's rows written once.
+    for name, every, killed_after in (("killed", 1, 2), ("every-2", 2, 3)):
+        interrupted = base.replace(run_name=name, checkpoint_every=every)
+        assert interrupted.digest() == base.digest()  # same run id
+        _kill_after(interrupted, killed_after, num_supernodes=3)
+        summary, resumed = simulate(interrupted.replace(resume=True), num_supernodes=3)
+        assert summary["resumed_after_round"] == 2 and summary["rounds_completed"] == 4
+        assert model_digest(resumed.broadcaster.model) == model_digest(
+            uninterrupted.broadcaster.model)
+        with open(tmp_path / name / "rounds.csv") as handle:
+            assert [int(r["round"]) for r in csv.DictReader(handle)] == [1, 2, 3, 4]
+        with open(tmp_path / name / "clients.csv") as handle:
+            replies = [(int(r["round"]), r["partition-id"]) for r in csv.DictReader(handle)]
+        assert len(replies) == len(set(replies)) and {r for r, _ in replies} == {1, 2, 3, 4}
 
 
 def test_per_client_downlink_survives_dropouts_and_a_resumed_server(tmp_path):
