@@ -251,9 +251,13 @@ def sweep(args: argparse.Namespace) -> int:
 def report(args: argparse.Namespace) -> int:
     from fedcomp.report import current_encoder, write_report
 
-    table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,
-                                args.reference, fingerprint=current_encoder,
-                                paired=args.paired)
+    try:
+        table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,
+                                    args.reference, fingerprint=current_encoder,
+                                    paired=args.paired)
+    except ValueError as exc:  # a reference that is not there, no FedAvg to pair with
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(table)
     print("\n" + "\n".join(f"wrote {p}" for p in [*paths, Path(args.dir) / "report.md"]))
     return 0

@@ -379,7 +379,8 @@ def test_current_encoder_covers_every_setting_of_the_policies():
         config.describe())
 
 
-def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp_path):
+def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp_path,
+                                                                         capsys):
     """Means hide which seeds hold a factor: seed 0's FedAvg is fast, seed 1's slow."""
     sweep = Sweep(base={"num-server-rounds": 3}, grid={"seed": [0, 1, 2]},
                   methods=[{"name": "FedAvg", "codec": "none"},
@@ -409,3 +410,8 @@ def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp
     assert rows["FedAvg"] == ["1.0 / 1.0", "1.0 / 1.0", "n/a"]
     # Without the flag the report is as before.
     assert "Paired by seed" not in write_report(tmp_path, target=0.8)[0]
+    # A reference that is not in the sweep is an error naming it, not a traceback.
+    from fedcomp.cli import main
+
+    assert main(["report", str(tmp_path), "--paired", "--reference", "FedAvg fp16"]) == 2
+    assert "'FedAvg fp16' is not in this sweep" in capsys.readouterr().err
