@@ -45,11 +45,15 @@ def save_model(path: str | Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 def load_model(path: str | Path) -> dict[str, np.ndarray]:
     """Read a model written by :func:`save_model` (never unpickles)."""
+    return _load_arrays(path, "model")
+
+
+def _load_arrays(path: str | Path, what: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read model {path}: {exc}") from None
+        raise CheckpointError(f"cannot read {what} {path}: {exc}") from None
 
 
 def _save_atomically(path: Path, payload: Mapping[str, np.ndarray]) -> None:
@@ -68,11 +72,7 @@ def _save_atomically(path: Path, payload: Mapping[str, np.ndarray]) -> None:
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """Read a checkpoint written by :func:`save_checkpoint`."""
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read checkpoint {path}: {exc}") from None
+    arrays = _load_arrays(path, "checkpoint")
     if _META not in arrays:
         raise CheckpointError(f"{path} is not a fedcomp checkpoint")
     meta = json.loads(arrays.pop(_META).tobytes())

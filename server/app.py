@@ -93,11 +93,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
             stats.record.accuracy, stats.record.loss = accuracy, loss
             stats.record.raw_accuracy = raw_accuracy
             recorder.record(stats.record, stats.rejected_by_reason, stats.client_metrics)
-            if cfg.save_model_every and (server_round % cfg.save_model_every == 0
-                                         or server_round >= cfg.num_server_rounds):
-                _save_models(cfg, recorder.out_dir, server_round, strategy)
-            if cfg.checkpoint and (server_round % cfg.checkpoint_every == 0
-                                   or server_round >= cfg.num_server_rounds):
+            _save_models(cfg, recorder.out_dir, server_round, strategy)
+            if cfg.checkpoint and _due(server_round, cfg.checkpoint_every, cfg):
                 arrays, meta = strategy.state_dict()
                 save_checkpoint(checkpoint_path, arrays, {
                     "round": server_round, "config_digest": cfg.digest(),
@@ -125,10 +122,16 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
     return recorder.finish(), strategy
 
 
+def _due(server_round: int, every: int, cfg: RunConfig) -> bool:
+    """Whether a write every ``every`` rounds falls on ``server_round`` (the last always)."""
+    return server_round % every == 0 or server_round >= cfg.num_server_rounds
+
+
 def _save_models(cfg: RunConfig, out_dir: Path, server_round: int,
                  strategy: CompressedFedAvg) -> None:
-    """Write the server's model (and its average) after ``server_round``."""
-    if not cfg.save_model_every:
+    """Write the server's model (and its average) after round 0 and each due round."""
+    if not cfg.save_model_every or (server_round
+                                    and not _due(server_round, cfg.save_model_every, cfg)):
         return
     stem = Path(out_dir) / "models" / f"round-{server_round:04d}"
     save_model(stem.with_suffix(".npz"), strategy.broadcaster.model)
