@@ -19,6 +19,7 @@ from flwr.common.logger import log as flwr_log
 
 from fedcomp.client_round import (
     ClientState,
+    dp_sgd_plan_reply,
     load_state_file,
     model_shapes,
     run_client_round,
@@ -58,10 +59,26 @@ def query(msg: Message, context: Context) -> Message:
     """
     partition_id = int(context.node_config["partition-id"])
     content = RecordDict({"node": MetricRecord({"partition-id": partition_id})})
+    settings = dict(msg.content["config"])
+    if "dp-plan" in str(settings.pop("ask", "")).split():
+        cfg = RunConfig.from_mapping(settings)
+        content["dp-plan"] = ConfigRecord(dp_sgd_plan_reply(cfg, _load_data(cfg, context)))
     saved = _load_saved(context, partition_id)[0]
     if held := saved_replica_digest(saved):
         content["replica"] = ConfigRecord({"digest": held})
     return Message(content=content, reply_to=msg)
+
+
+def _load_data(cfg: RunConfig, context: Context):
+    """This node's partition of the run's dataset."""
+    return load_partition(
+        cfg.dataset, int(context.node_config["partition-id"]),
+        int(context.node_config["num-partitions"]), scheme=cfg.partitioning,
+        alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client, seed=cfg.seed,
+        # A SuperNode names its own data location; the run config's is the fallback.
+        data_dir=str(context.node_config.get("data-dir", cfg.data_dir)),
+        test_fraction=cfg.test_fraction,
+    )
 
 
 def _load_saved(context: Context, partition_id: int):
@@ -84,14 +101,7 @@ def train(msg: Message, context: Context) -> Message:
     clip_now = settings.pop("dp-clip-current", None)  # DP-FedAvg's C for this round
     cfg = RunConfig.from_mapping(settings)
     partition_id = int(context.node_config["partition-id"])
-    num_partitions = int(context.node_config["num-partitions"])
-    data = load_partition(
-        cfg.dataset, partition_id, num_partitions, scheme=cfg.partitioning,
-        alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client, seed=cfg.seed,
-        # A SuperNode names its own data location; the run config's is the fallback.
-        data_dir=str(context.node_config.get("data-dir", cfg.data_dir)),
-        test_fraction=cfg.test_fraction,
-    )
+    data = _load_data(cfg, context)
     fault = cfg.fault_plan.draw(server_round, partition_id)  # None unless fault-* > 0
     if fault == "dropout":
         raise InjectedFault(f"injected dropout (round {server_round}, partition {partition_id})")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from fedcomp.errors import PayloadError
-from fedcomp.privacy import clip_update
+from fedcomp.privacy.clipping import clip_update
 from fedcomp.wire import ExpectedTensor, unpack_payload
 
 __all__ = ["AggregationResult", "ClientReply", "Rejection", "aggregate_deltas"]

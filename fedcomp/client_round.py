@@ -15,6 +15,7 @@ is dropped with a warning and the client starts clean.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,12 +32,14 @@ from fedcomp.downlink import DownlinkMessage, Replica, model_digest
 from fedcomp.errors import PayloadError
 from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
 from fedcomp.models import build_model
-from fedcomp.policy import encode_update
-from fedcomp.privacy import clip_update, train_dp_sgd, update_norm
+from fedcomp.policy import EncodedUpdate, encode_update
+from fedcomp.privacy import PrivacyAccountant, clip_update, noise_source, update_norm
+from fedcomp.privacy.accounting import dp_sgd_plan
+from fedcomp.privacy.release import released_client_metrics
 from fedcomp.training import state_arrays, train
-from fedcomp.wire import ExpectedTensor, unpack_payload
+from fedcomp.wire import unpack_payload
 
-__all__ = ["ClientResult", "ClientState", "load_state_file", "model_shapes",
+__all__ = ["ClientResult", "ClientState", "encode_delta", "load_state_file", "model_shapes",
            "run_client_round", "save_state_file", "saved_replica_digest", "settle_unconfirmed",
            "state_file"]
 
@@ -175,7 +178,7 @@ def load_state_file(path: Path, *, run_id: int, partition_id: int
 
 
 def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None,
-                       expected: Mapping[str, ExpectedTensor]) -> float:
+                       cfg: RunConfig, shapes: Mapping[str, tuple[int, ...]]) -> float:
     """Settle the last update sent: give it back to the memory if it was never applied.
 
     ``outcomes`` is what the server says of this node's recent rounds: round -> whether
@@ -184,24 +187,77 @@ def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None,
     not applied. Returns the norm of what was given back (0 if nothing). Where the
     server says nothing of the unconfirmed update's round (it restarted, say), the
     update is dropped unconfirmed, as plain error feedback would: giving back an update
-    the server did apply would count it twice. ``expected`` decodes the kept payload
-    (as the server would have); one that no longer decodes (saved state from another
-    codec) is dropped with a warning.
+    the server did apply would count it twice. The kept payload is decoded as the
+    server would have (with ``shared-randk``, lifted from that round's subspace); one
+    that no longer decodes (saved state from another codec) is dropped with a warning.
     """
     given_back = 0.0
-    if (state.unconfirmed_round is not None and outcomes
-            and outcomes.get(state.unconfirmed_round) is False
+    lost_round = state.unconfirmed_round
+    if (lost_round is not None and outcomes and outcomes.get(lost_round) is False
             and isinstance(state.feedback, ErrorFeedback)):
         try:
-            lost = unpack_payload(state.unconfirmed, expected=expected).tensors
+            lost = unpack_payload(state.unconfirmed, expected=cfg.uplink_expected(shapes)).tensors
         except PayloadError as exc:
-            log.warning("dropping the unconfirmed update of round %d: %s",
-                        state.unconfirmed_round, exc)
+            log.warning("dropping the unconfirmed update of round %d: %s", lost_round, exc)
         else:
+            subspace = cfg.subspace(lost_round)
+            if subspace is not None:
+                lost = subspace.lift(lost, shapes)
             state.feedback.give_back(lost)
             given_back = update_norm(lost)
     state.unconfirmed, state.unconfirmed_round = b"", None
     return given_back
+
+
+def encode_delta(cfg: RunConfig, feedback: Any, delta: Mapping[str, np.ndarray], *,
+                 server_round: int, clip_norm: float, rng: np.random.Generator,
+                 shapes: Mapping[str, tuple[int, ...]]) -> tuple[EncodedUpdate, dict[str, float]]:
+    """Encode a client's delta into the round's payload; return it and any DP metric.
+
+    The plain path is :func:`fedcomp.policy.encode_update` with the error-feedback
+    memory. Under ``dp = "client"`` or with a shared subspace the compensated update is
+    transformed as a whole before coding: ``u = delta + residual``, restricted to the
+    round's subspace, clipped to ``clip_norm`` (client-level DP), then coded. The new
+    residual is what the server will not get of ``u``: the coordinates outside the
+    subspace and the codec's error. What clipping cut off is dropped, not remembered:
+    kept, every excess would come back in later rounds and crowd out new updates.
+    """
+    subspace = cfg.subspace(server_round)
+    meta = {"round": server_round}
+    if subspace is None and cfg.dp != "client":
+        return encode_update(delta, cfg.uplink_policy, feedback=feedback, rng=rng, meta=meta), {}
+    compensated = feedback.compensate(delta)
+    projected = subspace.project(compensated) if subspace is not None else compensated
+    sent, metrics = projected, {}
+    if cfg.dp == "client":
+        sent, norm = clip_update(projected, clip_norm)
+        # Adaptive clipping's bit: was the update under the clip? (noised on the server)
+        metrics["dp-unclipped"] = float(norm <= clip_norm)
+    update = encode_update(sent, cfg.uplink_policy, rng=rng, meta=meta,
+                           selection=shapes if subspace is not None else None)
+    accounted = {name: projected[name] - sent[name] + np.asarray(update.decoded[name])
+                 for name in projected}
+    if subspace is not None:
+        accounted = subspace.lift(accounted, shapes)
+    feedback.keep({name: compensated[name] - accounted[name] for name in compensated})
+    return update, metrics
+
+
+def dp_sgd_plan_reply(cfg: RunConfig, data: ArrayDataset) -> dict[str, float | str]:
+    """What a node tells the server of its DP-SGD before round 1 (``dp = "sample"``).
+
+    Its sampling rate, steps a round and example count, so that the server can refuse
+    a target epsilon that one round already exceeds; or, if ``dp-delta`` is not below
+    1/n for its n examples, an ``error`` naming the key.
+    """
+    if len(data) == 0:
+        return {"error": "a client has no examples: DP-SGD cannot run on it"}
+    if cfg.dp_delta >= 1 / len(data):
+        return {"error": f"run config 'dp-delta' = {cfg.dp_delta:g} must be below 1/n = "
+                         f"{1 / len(data):.3g} for a client's n = {len(data)} examples"}
+    rate, steps = dp_sgd_plan(len(data), batch_size=cfg.batch_size, epochs=cfg.local_epochs,
+                              steps=cfg.local_steps)
+    return {"rate": rate, "steps": steps, "examples": len(data)}
 
 
 @dataclass
@@ -262,18 +318,24 @@ def run_client_round(
     start = time.perf_counter()
     train_seed = client_seed * 100_003 + server_round
     dp_metrics: dict[str, float] = {}
+    loss = math.nan
     if cfg.dp == "sample":
-        steps_before = sum(steps for _, _, steps in state.dp_history)
-        loss, state.dp_history, epsilon = train_dp_sgd(
+        from fedcomp.privacy.dpsgd import train_dp_sgd  # torch and Opacus only when needed
+
+        subspace = cfg.subspace(server_round)
+        accountant = PrivacyAccountant(cfg.dp_accountant, list(state.dp_history))
+        rate, steps_taken = train_dp_sgd(
             model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
             batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
             noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_clip_norm,
-            history=state.dp_history, delta=cfg.dp_delta, seed=train_seed,
-            target_epsilon=cfg.dp_target_epsilon)
+            accountant=accountant, delta=cfg.dp_delta,
+            noise=noise_source(cfg.dp_reproducible_noise,
+                               [cfg.seed, client_seed, server_round, 0xD5]),
+            target_epsilon=cfg.dp_target_epsilon,
+            masks=subspace.masks(shapes) if subspace is not None else None)
+        state.dp_history = list(accountant.history)
         # The server replays these in its own accountant (SampleLevelBudget).
-        dp_metrics.update({
-            "epsilon": epsilon, "dp-sample-rate": state.dp_history[-1][1],
-            "dp-steps": float(sum(steps for _, _, steps in state.dp_history) - steps_before)})
+        dp_metrics.update({"dp-sample-rate": rate, "dp-steps": float(steps_taken)})
     else:
         loss = train(model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
                      batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
@@ -283,23 +345,18 @@ def run_client_round(
     delta = {k: after[k] - v for k, v in state.replica.model.items()}
     feedback = state.feedback
     delta_norm = update_norm(delta)
-    if cfg.dp == "client":  # DP-FedAvg: clip before compressing (the server re-clips)
-        clip = cfg.dp_clip_norm if clip_norm is None else clip_norm
-        delta, _ = clip_update(delta, clip)
-        # Adaptive clipping's bit: was this update under the clip? (noised on the server)
-        dp_metrics["dp-unclipped"] = float(delta_norm <= clip)
     if delta_scale != 1.0:
         delta = {k: v * np.float32(delta_scale) for k, v in delta.items()}
         feedback = NoFeedback()
 
-    given_back = settle_unconfirmed(state, outcomes, cfg.uplink_policy.expected(shapes))
+    given_back = settle_unconfirmed(state, outcomes, cfg, shapes)
     residual_in = (state.feedback.residual_norm()
                    if isinstance(state.feedback, ErrorFeedback) else 0.0)
-    update = encode_update(
-        delta, cfg.uplink_policy, feedback=feedback,
-        rng=np.random.default_rng([cfg.seed, client_seed, server_round]),
-        meta={"round": server_round},
-    )
+    update, clip_metrics = encode_delta(
+        cfg, feedback, delta, server_round=server_round,
+        clip_norm=cfg.dp_clip_norm if clip_norm is None else clip_norm,
+        rng=np.random.default_rng([cfg.seed, client_seed, server_round]), shapes=shapes)
+    dp_metrics.update(clip_metrics)
     if isinstance(feedback, ErrorFeedback):  # a poisoned message leaves memory alone
         state.unconfirmed = update.payload
         state.unconfirmed_round = server_round
@@ -318,4 +375,6 @@ def run_client_round(
         "delta-norm": delta_norm,
         **dp_metrics,
     }
+    if cfg.dp != "none":  # nothing measured on the client's data leaves it un-noised
+        metrics = released_client_metrics(metrics)
     return ClientResult(update.payload, metrics, replica_digest)

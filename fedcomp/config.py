@@ -21,6 +21,8 @@ from fedcomp.errors import SpecError
 from fedcomp.faults import FAULT_KINDS, FaultPlan
 from fedcomp.pipeline import Pipeline
 from fedcomp.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
+from fedcomp.privacy.subspace import RandomSubspace
+from fedcomp.wire import ExpectedTensor
 
 __all__ = ["RunConfig", "config_key"]
 
@@ -34,6 +36,7 @@ _CHOICES = {
     "server_lr_schedule": ("constant", "cosine"),
     "norm_action": ("reject", "clip"),
     "dp": ("none", "client", "sample"),
+    "dp_accountant": ("pld", "rdp"),
     # shared: one compressed model for all (fedcomp.downlink.Broadcaster); per-client:
     # each client's own difference (fedcomp.downlink.PerClientBroadcaster).
     "downlink_mode": ("shared", "per-client"),
@@ -105,6 +108,9 @@ class RunConfig:
     dp_target_quantile: float = 0.5
     dp_clip_lr: float = 0.2
     dp_clipped_count_stddev: float = 0.0
+    dp_accountant: str = "pld"
+    dp_reproducible_noise: bool = False
+    shared_randk: float = 0.0
     checkpoint: bool = True
     checkpoint_every: int = 1
     resume: bool = False
@@ -160,6 +166,14 @@ class RunConfig:
                                   or not 0 < self.dp_delta < 1 or self.dp_target_epsilon < 0):
             raise SpecError("run config dp-noise-multiplier and dp-clip-norm must be > 0, "
                             "dp-delta in (0, 1) and dp-target-epsilon >= 0")
+        if self.dp == "client" and self.norm_bound:
+            raise SpecError("run config 'norm-bound' cannot be used with dp = 'client': its "
+                            "median-based rejection lets one client change which others are "
+                            "kept, so a client's influence would exceed dp-clip-norm; the "
+                            "server's re-clipping to dp-clip-norm already bounds every update")
+        if not 0.0 <= self.shared_randk <= 1.0:
+            raise SpecError(f"run config 'shared-randk' must be in [0, 1] (0: off), got "
+                            f"{self.shared_randk!r}")
         if self.dp_adaptive_clip and self.dp != "client":
             raise SpecError("run config 'dp-adaptive-clip' needs dp = 'client'")
         if not 0 < self.dp_target_quantile < 1 or self.dp_clip_lr <= 0 \
@@ -226,6 +240,23 @@ class RunConfig:
         """The fault injection plan (inactive unless some ``fault-*`` key is > 0)."""
         return FaultPlan({kind: getattr(self, f"fault_{kind}") for kind in FAULT_KINDS},
                          seed=self.fault_seed)
+
+    def subspace(self, server_round: int) -> RandomSubspace | None:
+        """The round's shared random subspace (``shared-randk`` > 0), else None."""
+        if not self.shared_randk:
+            return None
+        return RandomSubspace(self.shared_randk, self.seed, server_round, self.min_numel)
+
+    def uplink_expected(self, shapes: Mapping[str, Any]) -> dict[str, ExpectedTensor]:
+        """What the server demands of an uplink payload for a model of ``shapes``.
+
+        With ``shared-randk`` the payload holds each tensor's subspace values (a 1-D
+        array) and each still gets the pipeline of its full size.
+        """
+        subspace = self.subspace(0)
+        if subspace is None:
+            return self.uplink_policy.expected(shapes)
+        return self.uplink_policy.expected(subspace.compact_shapes(shapes), selection=shapes)
 
     def describe(self) -> dict[str, Any]:
         """The config plus the parsed codec configs (for ``summary.json``)."""

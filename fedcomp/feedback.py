@@ -80,6 +80,13 @@ class NoFeedback:
                  rng: np.random.Generator) -> tuple[Encoded, Any]:
         return pipeline.roundtrip(x, rng=rng)
 
+    def compensate(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The tensors themselves (float32 copies): there is no residual."""
+        return {name: np.array(value, dtype=np.float32) for name, value in tensors.items()}
+
+    def keep(self, residuals: Mapping[str, np.ndarray]) -> None:
+        """Nothing is remembered."""
+
     def state_dict(self) -> dict[str, np.ndarray]:
         return {}
 
@@ -184,6 +191,24 @@ class ErrorFeedback(_ResidualMemory):
         np.subtract(compensated, decoded, out=compensated)
         self.memory[name] = compensated
         return encoded, from_numpy(decoded, kind)
+
+    def compensate(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Each tensor plus its residual, for a caller that transforms the whole
+        compensated update before coding it (differential privacy clips it, a shared
+        subspace projects it) and then says what to remember with :meth:`keep`."""
+        out = {}
+        for name, value in tensors.items():
+            array = np.array(value, dtype=np.float32)
+            residual = self._slot(name, array)
+            if residual is not None:
+                array += residual
+            out[name] = array
+        return out
+
+    def keep(self, residuals: Mapping[str, np.ndarray]) -> None:
+        """Replace the residuals by what the receiver did not get of the last input."""
+        for name, value in residuals.items():
+            self.memory[name] = np.array(value, dtype=np.float32)
 
     def give_back(self, lost: Mapping[str, Any]) -> None:
         """Add an update the receiver never applied back into the residual.

@@ -127,9 +127,16 @@ class CompressionPolicy:
         big, small = self._pipelines
         return big if math.prod(shape) >= self.min_numel else small
 
-    def expected(self, shapes: Mapping[str, Sequence[int]]) -> dict[str, ExpectedTensor]:
-        """What a receiver should demand of a payload for a model of these shapes."""
-        return {name: ExpectedTensor(tuple(shape), self.pipeline_for(shape, name))
+    def expected(self, shapes: Mapping[str, Sequence[int]], *,
+                 selection: Mapping[str, Sequence[int]] | None = None
+                 ) -> dict[str, ExpectedTensor]:
+        """What a receiver should demand of a payload for a model of these shapes.
+
+        ``selection`` gives the shapes that choose each tensor's pipeline when they
+        differ from the shapes sent (a subspace's 1-D values keep their tensor's codec).
+        """
+        chooser = selection if selection is not None else shapes
+        return {name: ExpectedTensor(tuple(shape), self.pipeline_for(chooser[name], name))
                 for name, shape in shapes.items()}
 
 
@@ -159,12 +166,15 @@ def encode_update(
     feedback: FeedbackMemory | None = None,
     meta: Mapping[str, Any] | None = None,
     layout_dictionary: bool = True,
+    selection: Mapping[str, Sequence[int]] | None = None,
 ) -> EncodedUpdate:
     """Compress every tensor of an update (with error feedback) into one payload.
 
     The header is compressed against the layout dictionary (names, shapes and
     pipelines the receiver expects; see :mod:`fedcomp.wire`) unless
-    ``layout_dictionary`` is false.
+    ``layout_dictionary`` is false. ``selection`` gives the shapes that choose each
+    tensor's pipeline where they differ from the tensors' own (see
+    :meth:`CompressionPolicy.expected`).
 
     Returns the payload, the values the receiver will decode (for the caller's own
     bookkeeping, e.g. a downlink replica), and the encode time.
@@ -176,7 +186,8 @@ def encode_update(
     numel = 0
     for name, value in tensors.items():
         array, _ = to_numpy(value)
-        pipeline = policy.pipeline_for(array.shape, name)
+        pipeline = policy.pipeline_for(
+            array.shape if selection is None else selection[name], name)
         root, decoded[name] = memory.compress(name, value, pipeline, rng)
         encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root))
         numel += array.size

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from fedcomp.privacy.release import RELEASED_ROUND_COLUMNS, released_summary
+
 __all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"]
 
 ROUND_COLUMNS = [
@@ -71,16 +73,21 @@ class RunRecorder:
         The run's full configuration (codec configs included) for ``summary.json``.
     model_bytes
         Bytes of the model in fp32, the yardstick of the compression factors.
+    private
+        A differentially private run: per-client rows are not written, and
+        ``release/`` gets the rounds and summary that may be published
+        (:mod:`fedcomp.privacy.release`).
     """
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], *, model_bytes: int,
-                 num_rounds: int, verbose: bool = True) -> None:
+                 num_rounds: int, verbose: bool = True, private: bool = False) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.config = config
         self.model_bytes = model_bytes
         self.num_rounds = num_rounds
         self.verbose = verbose
+        self.private = private
         self.rows: list[RoundRecord] = []
         self.rejected_by_reason: dict[str, int] = {}
         self.replies_ok = 0
@@ -100,6 +107,19 @@ class RunRecorder:
             for row in self.rows:
                 values = asdict(row)
                 writer.writerow([values[c] for c in ROUND_COLUMNS])
+        if self.private:
+            self._write_release()
+
+    def _write_release(self) -> None:
+        """``release/rounds.csv``: the columns a DP run may publish."""
+        folder = self.out_dir / "release"
+        folder.mkdir(exist_ok=True)
+        with (folder / "rounds.csv").open("w", newline="") as handle:
+            writer = csv.writer(handle)
+            writer.writerow(RELEASED_ROUND_COLUMNS)
+            for row in self.rows:
+                values = asdict(row)
+                writer.writerow([values[c] for c in RELEASED_ROUND_COLUMNS])
 
     def state(self) -> dict[str, Any]:
         """JSON-able progress, for checkpoints."""
@@ -144,7 +164,7 @@ class RunRecorder:
         """
         now = time.perf_counter()
         row.wall_s, self._last_round_end = now - self._last_round_end, now
-        if clients is not None:
+        if clients is not None and not self.private:
             self._record_clients(row.round, clients)
         previous = self.rows[-1] if self.rows else None
         row.cum_uplink_bytes = (previous.cum_uplink_bytes if previous else 0) + row.uplink_bytes
@@ -157,6 +177,8 @@ class RunRecorder:
         with self._csv_path.open("a", newline="") as handle:
             values = asdict(row)
             csv.writer(handle).writerow([values[c] for c in ROUND_COLUMNS])
+        if self.private:
+            self._write_release()
         if self.verbose:
             factor = (self.model_bytes * max(row.clients_ok, 1) / row.uplink_bytes
                       if row.uplink_bytes else math.nan)
@@ -216,6 +238,9 @@ class RunRecorder:
         """Write ``summary.json`` and print the summary table; return the summary."""
         summary = self.summary()
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        if self.private:
+            (self.out_dir / "release" / "summary.json").write_text(
+                json.dumps(released_summary(summary), indent=2) + "\n")
         if self.verbose:
             print(format_summary_table([summary]), flush=True)
             print(f"results: {self.out_dir}", flush=True)

@@ -60,7 +60,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
     out_dir = Path(cfg.results_dir) / cfg.resolved_run_name
     recorder = RunRecorder(out_dir, cfg.describe(),
                            model_bytes=4 * sum(v.size for v in initial.values()),
-                           num_rounds=cfg.num_server_rounds, verbose=verbose)
+                           num_rounds=cfg.num_server_rounds, verbose=verbose,
+                           private=cfg.dp != "none")
     checkpoint_path = out_dir / "checkpoint.npz"
     done = _resume(cfg, checkpoint_path, strategy, recorder) if cfg.resume else 0
     if verbose:
@@ -112,10 +113,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "replica_checks": sum(s.replica_checks for s in strategy.stats.values()),
         "replica_mismatches": sum(s.replica_mismatches for s in strategy.stats.values()),
         "resumed_after_round": done,
-        "epsilon": (strategy.dp.epsilon() if strategy.dp else
-                    strategy.sample_epsilon if cfg.dp == "sample" else None),
-        "dp_delta": cfg.dp_delta if cfg.dp != "none" else None,
-        "dp_final_clip": strategy.dp.clip_norm if strategy.dp else None,
+        **(strategy.privacy.summary() if strategy.privacy is not None else {"epsilon": None}),
         "stopped_early": strategy.stopped,
         "encoder": cfg.encoder_fingerprint({k: v.shape for k, v in initial.items()}),
     }

@@ -48,16 +48,12 @@ from fedcomp.aggregation import ClientReply, aggregate_deltas
 from fedcomp.averaging import ModelAverage
 from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, PerClientBroadcaster, model_digest
+from fedcomp.errors import SpecError
 from fedcomp.feedback import OutcomeLedger
 from fedcomp.flower import downlink_to_record, outcomes_to_record, payload_from_record
-from fedcomp.privacy import (
-    AdaptiveClipping,
-    ClientLevelDP,
-    SampleLevelBudget,
-    adaptive_noise_multiplier,
-)
+from fedcomp.privacy.server import ServerPrivacy
 from fedcomp.results import RoundRecord
-from fedcomp.sampling import parse_partition_id, sample_nodes
+from fedcomp.sampling import order_nodes, parse_partition_id, sample_nodes
 from fedcomp.server_opt import ServerOptimizer
 
 __all__ = ["CompressedFedAvg", "RoundStats"]
@@ -103,7 +99,9 @@ class CompressedFedAvg(FedAvg):
             beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
             schedule=cfg.server_lr_schedule, lr_final=cfg.server_lr_final,
             total_steps=cfg.num_server_rounds)
-        self.expected = cfg.uplink_policy.expected(self.broadcaster.shapes)
+        #: What every uplink payload must hold (with shared-randk: the compact tensors).
+        self.expected = cfg.uplink_expected(self.broadcaster.shapes)
+        self.expected_shapes = {name: spec.shape for name, spec in self.expected.items()}
         #: server-average > 0: the averaged model the run evaluates (server-side only).
         self.average = (ModelAverage(cfg.server_average, initial)
                         if cfg.server_average > 0 else None)
@@ -122,27 +120,12 @@ class CompressedFedAvg(FedAvg):
         #: Rounds completed before this process started (resumed runs): Flower counts
         #: from 1 again, we do not.
         self.round_offset = 0
-        self.dp = (ClientLevelDP(cfg.dp_noise_multiplier, cfg.dp_clip_norm, cfg.dp_delta,
-                                 cfg.dp_target_epsilon) if cfg.dp == "client" else None)
-        # Adaptive clipping: C follows a quantile of the update norms; part of the noise
-        # budget goes to the clipped count (fedcomp.privacy.adaptive_noise_multiplier).
-        self.adaptive = None
-        if self.dp is not None and cfg.dp_adaptive_clip:
-            count_stddev = cfg.dp_clipped_count_stddev or max(
-                max(cfg.clients_per_round, 1) / 20, cfg.dp_noise_multiplier)
-            self.adaptive = AdaptiveClipping(cfg.dp_clip_norm, cfg.dp_target_quantile,
-                                             cfg.dp_clip_lr, count_stddev)
-            self.dp.update_noise_multiplier = adaptive_noise_multiplier(
-                cfg.dp_noise_multiplier, count_stddev)
-        self.dp_rng = np.random.default_rng([cfg.seed, 0xD9])
-        #: dp = "sample": the largest cumulative epsilon any client reported, and
-        #: every client's spending replayed, to stop before dp-target-epsilon.
-        self.sample_epsilon = 0.0
-        self.sample_budget = SampleLevelBudget(cfg.dp_noise_multiplier, cfg.dp_delta,
-                                               cfg.dp_target_epsilon)
+        #: dp = "client" or "sample": sampling, bounds, noise and accounting.
+        self.privacy = ServerPrivacy(cfg) if cfg.dp != "none" else None
+        #: dp = "sample": each node's DP-SGD plan (rate, steps, examples), from its query.
+        self.dp_plans: dict[int, tuple[float, int, int]] = {}
         #: Why training stopped before the last round (a privacy budget), if it did.
         self.stopped: str | None = None
-        self._sample_rate = 1.0
         # The run config every train message carries. Empty strings are left out (the
         # client's RunConfig defaults them to ""): Flower's ConfigRecord.count_bytes,
         # which message_size_mod calls, rejects them.
@@ -164,15 +147,25 @@ class CompressedFedAvg(FedAvg):
             log.info("waiting for nodes: %d connected, %d needed", len(nodes), minimum)
             time.sleep(1)
         # Per-client downlink: replicas are kept by partition, which outlives node ids.
-        if 0 < wanted < len(nodes) or isinstance(self.broadcaster, PerClientBroadcaster):
+        # Under DP every node is asked once (sample level: for its DP-SGD plan).
+        if (0 < wanted < len(nodes) or isinstance(self.broadcaster, PerClientBroadcaster)
+                or self.privacy is not None):
             self._learn_partitions(grid, [n for n in nodes if n not in self.partition_of])
+        if self.privacy is not None:
+            self.privacy.check_sample_plans(self.dp_plans)
+            sampled = self.privacy.sample(order_nodes(nodes, self.partition_of))
+            if sampled is not None:
+                return sampled
         return sample_nodes(self.rng, nodes, self.partition_of, wanted)
 
     def _learn_partitions(self, grid: Grid, nodes: list[int]) -> None:
         """Ask nodes not seen before which partition they hold (a few bytes each, once)."""
         if not nodes:
             return
-        question = RecordDict({"config": ConfigRecord({"ask": "partition-id"})})
+        ask = {"ask": "partition-id"}
+        if self.cfg.dp == "sample":  # and its DP-SGD plan, checked before round 1
+            ask = {"ask": "partition-id dp-plan", **self._settings}
+        question = RecordDict({"config": ConfigRecord(ask)})
         messages = [Message(content=question, message_type=MessageType.QUERY, dst_node_id=n)
                     for n in nodes]
         for reply in grid.send_and_receive(messages, timeout=self.cfg.round_timeout):
@@ -182,12 +175,16 @@ class CompressedFedAvg(FedAvg):
                     raise ValueError(reply.error.reason)
                 self.partition_of[node] = parse_partition_id(
                     reply.content["node"]["partition-id"])
+                if self.cfg.dp == "sample":
+                    self._learn_dp_plan(node, reply.content)
                 if isinstance(self.broadcaster, PerClientBroadcaster):
                     # The replica it holds: a catch-up goes only to a node that has it.
                     held = (reply.content["replica"].get("digest", "")
                             if "replica" in reply.content else "")
                     self.broadcaster.reconcile(self._client_key(node),
                                                held if isinstance(held, str) else "")
+            except SpecError:
+                raise  # a node refused the run's privacy settings: stop before round 1
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("node %s did not tell its partition (%s): it is sampled after "
                             "the others, by node id", node, exc)
@@ -195,6 +192,16 @@ class CompressedFedAvg(FedAvg):
         if missing:
             log.warning("%d of %d nodes have no known partition; sampling them is not "
                         "reproducible across runs", missing, len(nodes))
+
+    def _learn_dp_plan(self, node: int, content: RecordDict) -> None:
+        """A node's DP-SGD plan from its query reply; a refusal stops the run."""
+        plan = content["dp-plan"] if "dp-plan" in content else None
+        if plan is None:
+            return
+        if "error" in plan:
+            raise SpecError(str(plan["error"]))
+        self.dp_plans[self.partition_of[node]] = (
+            float(plan["rate"]), int(plan["steps"]), int(plan["examples"]))
 
     def _client_key(self, node: int) -> str:
         """Who holds a per-client replica: the partition if known (it outlives node ids)."""
@@ -221,23 +228,12 @@ class CompressedFedAvg(FedAvg):
         if self.stopped:
             return []
         nodes = self._sample(grid)
-        self._sample_rate = len(nodes) / max(len(list(grid.get_node_ids())), 1)
-        if self.dp is not None and self.dp.would_exceed(self._sample_rate):
-            self.stopped = (f"stopped before round {server_round}: it would take epsilon to "
-                            f"{self.dp.epsilon_after(self._sample_rate):.3f}, above "
-                            f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
-            log.warning("privacy budget: %s", self.stopped)
+        if self.privacy is not None and (reason := self.privacy.stop_reason(server_round)):
+            self.stopped = reason
+            log.warning("privacy budget: %s", reason)
             return []
-        if self.cfg.dp == "sample" and self.sample_budget.would_exceed():
-            self.stopped = (f"stopped before round {server_round}: it would take a client's "
-                            f"DP-SGD epsilon to "
-                            f"{self.sample_budget.epsilon_after_next_round():.3f}, above "
-                            f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
-            log.warning("privacy budget: %s", self.stopped)
-            return []
-        settings = ConfigRecord({**self._settings, "server-round": server_round})
-        if self.dp is not None:
-            settings["dp-clip-current"] = self.dp.clip_norm  # moves with adaptive clipping
+        settings = ConfigRecord({**self._settings, "server-round": server_round,
+                                 **(self.privacy.round_settings() if self.privacy else {})})
         messages = []
         self._sent = {}
         self._expected_digest = {}
@@ -308,9 +304,10 @@ class CompressedFedAvg(FedAvg):
                 stats.replica_mismatches += 1
                 log.error("node %s holds a replica that differs from the server's copy", node)
                 self._forget_replica(node)
+            # Under DP every update weighs the same (clients send no example counts).
+            weight = 1.0 if self.privacy else float(metrics.get("num-examples", 0.0))
             client_replies.append(ClientReply(
-                node, payload, float(metrics.get("num-examples", 0.0)),
-                order_key=int(metrics.get("partition-id", 0))))
+                node, payload, weight, order_key=int(metrics.get("partition-id", 0))))
             stats.record.encode_s += float(metrics.get("encode-s", 0.0))
             stats.record.train_s += float(metrics.get("train-s", 0.0))
             # The node applied the downlink: its replica is at the pre-publish round.
@@ -320,32 +317,16 @@ class CompressedFedAvg(FedAvg):
                                   expected_meta={"round": server_round},
                                   norm_bound=self.cfg.norm_bound,
                                   norm_action=self.cfg.norm_action,
-                                  clip_norm=self.dp.clip_norm if self.dp else 0.0)
-        if self.dp is not None:
-            # Noise on the clipped sum, divided by the number sampled (fixed, whoever
-            # answered); the round is accounted even if nothing came back.
-            if result.total is not None:
-                result.mean_delta = self.dp.noisy_mean(result.total, len(self._sent),
-                                                       self.dp_rng)
-            self.dp.record_round(self._sample_rate)
-            stats.record.epsilon = self.dp.epsilon()
-            stats.record.dp_clip = self.dp.clip_norm
-            if self.adaptive is not None:
-                accepted = set(result.accepted)
-                unclipped = sum(int(stats.client_metrics[n].get("dp-unclipped", 0) > 0)
-                                for n in accepted)
-                self.dp.clip_norm = self.adaptive.update(unclipped, len(self._sent),
-                                                         self.dp_rng)
-        elif self.cfg.dp == "sample":
-            # Each client accounts its own DP-SGD; the run's guarantee is the worst one.
-            stats.record.epsilon = max((float(m.get("epsilon", 0.0))
-                                        for m in stats.client_metrics.values()), default=0.0)
-            self.sample_epsilon = max(self.sample_epsilon, stats.record.epsilon)
-            for metrics in stats.client_metrics.values():
-                if "dp-steps" in metrics:
-                    self.sample_budget.record(int(metrics.get("partition-id", 0)),
-                                              float(metrics["dp-sample-rate"]),
-                                              int(metrics["dp-steps"]))
+                                  clip_norm=self.privacy.clip_norm if self.privacy else 0.0)
+        mean = result.mean_delta
+        # Client-level DP releases a noisy mean every round, whoever answered.
+        released = self.cfg.dp == "client"
+        if self.privacy is not None:
+            stats.record.dp_clip = self.privacy.clip_norm  # this round's C (it may move)
+            mean = self.privacy.release(result, self.expected_shapes, stats.client_metrics)
+            stats.record.epsilon = self.privacy.epsilon()
+        if mean is not None and (subspace := self.cfg.subspace(server_round)) is not None:
+            mean = subspace.lift(mean, self.broadcaster.shapes)
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
         stats.record.clients_ok = len(result.accepted)
@@ -353,8 +334,8 @@ class CompressedFedAvg(FedAvg):
         for reason, count in result.rejected_by_reason.items():
             stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + count
         applied: list[int] = []  # an abandoned round applies no one's update
-        if result.mean_delta is not None and len(result.accepted) >= self.cfg.min_clients:
-            target = self.optimizer.step(self.broadcaster.model, result.mean_delta)
+        if mean is not None and (released or len(result.accepted) >= self.cfg.min_clients):
+            target = self.optimizer.step(self.broadcaster.model, mean)
             self.broadcaster.publish(target)
             if self.average is not None:
                 self.average.update(self.broadcaster.model)
@@ -380,11 +361,7 @@ class CompressedFedAvg(FedAvg):
         meta.update({"node_rounds": {str(k): v for k, v in self.node_rounds.items()},
                      "uplink_outcomes": self.outcomes.state(),
                      "rng": self.rng.bit_generator.state,
-                     "dp_rng": self.dp_rng.bit_generator.state,
-                     "dp_history": self.dp.state() if self.dp else [],
-                     "dp_clip": self.dp.clip_norm if self.dp else None,
-                     "sample_epsilon": self.sample_epsilon,
-                     "sample_budget": self.sample_budget.state(),
+                     "privacy": self.privacy.state_dict() if self.privacy else None,
                      "stopped": self.stopped})
         return arrays, meta
 
@@ -398,12 +375,8 @@ class CompressedFedAvg(FedAvg):
         self.node_rounds = {int(k): int(v) for k, v in meta["node_rounds"].items()}
         self.outcomes.restore(meta.get("uplink_outcomes", {}))  # older checkpoints: none
         self.rng.bit_generator.state = meta["rng"]
-        self.dp_rng.bit_generator.state = meta["dp_rng"]
-        if self.dp is not None:
-            self.dp.restore(meta["dp_history"])
-            self.dp.clip_norm = float(meta["dp_clip"])
-        self.sample_epsilon = float(meta.get("sample_epsilon", 0.0))
-        self.sample_budget.restore(meta.get("sample_budget", {}))
+        if self.privacy is not None:
+            self.privacy.load_state_dict(meta["privacy"])
         self.stopped = meta.get("stopped")
 
     def evaluated_model(self) -> dict[str, np.ndarray]:
