@@ -1,24 +1,36 @@
-"""Privacy against accuracy: client-level and sample-level DP, with and without compression.
+"""Privacy against accuracy and bytes, at the sample level and the client level.
 
-For each target epsilon (delta 1e-5 by default) the noise multiplier is computed with
-Opacus' RDP accountant for the run's sampling rate and number of steps:
+Two benchmarks, each a sweep of Flower simulations (complete runs are skipped on a
+rerun):
 
-* client-level DP-FedAvg: sampling rate = clients per round / clients, one step per
-  round;
-* sample-level DP-SGD: sampling rate = batch / the smallest client's examples, local
-  steps per round x rounds (every client's own epsilon is at most this).
+* ``--part sample``: DP-SGD on every client (digits, 10 IID clients, 20 rounds of 2
+  local epochs) at each target epsilon, with the uplink in fp32, dense 8-bit, a shared
+  random subspace (Rand-K whose positions every client shares, 25% + 8-bit: no index
+  bytes, noise on the subspace only) and Top-1% + 4-bit + error feedback; and the
+  non-private fp32 run.
+* ``--part client``: client-level DP-FedAvg at realistic scale (Fashion-MNIST, 1,000
+  IID clients, each joins a round with probability 0.1, 100 rounds of 5 local epochs,
+  adaptive clipping at the median update norm) at each target epsilon, with the
+  uplink in fp32 and in a shared random subspace (10% + 8-bit); and non-private
+  FedAvg (100 clients a round).
 
-It writes the sweep it runs (``sweep.toml`` in the output folder, a copy of which is
-``experiments/sweeps/dp.toml``), runs it with ``fedcomp.sweep.run_sweep`` (complete
-runs are skipped on a rerun), and prints the final accuracy of each method with the
-epsilon each run actually reported.
+The noise multiplier of each target epsilon (delta 1e-5) is calibrated with the PLD
+accountant, which is what the runs report; the table also gives the epsilon the RDP
+accountant would report for the same noise, and the noise RDP would need. Bytes are
+the mean payload of an accepted update, from the operator's ``rounds.csv`` (a DP run's
+``release/`` folder does not publish them), against the fp32 model.
 
-    .venv/bin/python experiments/dp_tradeoff.py --out results/dp [--epsilons 1 4 8]
+It writes ``OUT/sweep.toml`` (the sweep it runs), ``OUT/dp_tradeoff.csv`` and prints
+the table::
+
+    .venv/bin/python experiments/dp_tradeoff.py --part sample --out results/dp-sample
+    .venv/bin/python experiments/dp_tradeoff.py --part client --out results/dp-client
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -31,57 +43,72 @@ sys.path.insert(0, str(ROOT))
 from fedcomp.cli import FLOWER_ENV  # noqa: E402
 from fedcomp.config import RunConfig  # noqa: E402
 from fedcomp.data import load_partition  # noqa: E402
+from fedcomp.privacy.accounting import (  # noqa: E402
+    dp_sgd_plan,
+    epsilon_of,
+    noise_multiplier_for,
+)
 from fedcomp.sweep import Sweep, run_sweep  # noqa: E402
 
-COMPRESSED = "topk:ratio=0.01|quant:bits=4"
+TOPK = "topk:ratio=0.01|quant:bits=4"
+DELTA = 1e-5
+
+#: The settings every run of a part shares.
+BASES = {
+    "sample": {"dataset": "digits", "partitioning": "iid", "num-server-rounds": 20,
+               "local-epochs": 2, "lr": 0.05, "dp-clip-norm": 1.0, "dp-delta": DELTA},
+    "client": {"dataset": "fashion-mnist", "partitioning": "iid", "num-server-rounds": 100,
+               "local-epochs": 5, "lr": 0.05, "clients-per-round": 100,
+               "dp-clip-norm": 0.5, "dp-delta": DELTA, "eval-every": 5, "checkpoint-every": 10},
+}
+CLIENTS = {"sample": 10, "client": 1000}
+EPSILONS = {"sample": [1.0, 4.0, 8.0], "client": [4.0, 8.0]}
 
 
-def noise_for(epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
-    from opacus.accountants.utils import get_noise_multiplier
-
-    sigma = get_noise_multiplier(target_epsilon=epsilon, target_delta=delta,
-                                 sample_rate=sample_rate, steps=steps, accountant="rdp",
-                                 epsilon_tolerance=0.005)
-    return math.ceil(sigma * 1e4) / 1e4  # rounded up: never above the target epsilon
-
-
-def build_sweep(base: dict, epsilons: list[float], clients: int) -> Sweep:
+def sample_level_plan(base: dict, clients: int) -> tuple[float, int]:
+    """The most exposed client's DP-SGD (rate, steps over the run): the smallest one."""
     cfg = RunConfig.from_mapping(base)
-    rounds = cfg.num_server_rounds
-    per_round = cfg.clients_per_round or clients
-    sizes = [len(load_partition(cfg.dataset, i, clients, scheme=cfg.partitioning,
-                                alpha=cfg.dirichlet_alpha, seed=cfg.seed).y)
-             for i in range(clients)]
-    smallest = min(sizes)
-    batches = math.ceil(smallest / cfg.batch_size)
-    # DP-SGD: Opacus samples each example with q = 1 / (batches per epoch) and takes
-    # that many steps an epoch; the smallest client has the largest q, hence the
-    # largest epsilon, which bounds everyone's.
-    sample_q = 1 / batches
-    sample_steps = rounds * (cfg.local_steps or cfg.local_epochs * batches)
-    methods = [{"name": "non-private, Top-1% + 4-bit", "codec": COMPRESSED, "dp": "none"},
-               {"name": "non-private, fp32", "codec": "none", "feedback": "none",
-                "dp": "none"}]
+    smallest = min(len(load_partition(cfg.dataset, i, clients, scheme=cfg.partitioning,
+                                      alpha=cfg.dirichlet_alpha, seed=cfg.seed).y)
+                   for i in range(clients))
+    rate, steps = dp_sgd_plan(smallest, batch_size=cfg.batch_size, epochs=cfg.local_epochs,
+                              steps=cfg.local_steps)
+    return rate, steps * cfg.num_server_rounds
+
+
+def build_sweep(part: str, epsilons: list[float], clients: int) -> tuple[Sweep, dict]:
+    """The part's sweep, and each method's accounting (rate, steps, sigma) by name."""
+    base = dict(BASES[part])
+    cfg = RunConfig.from_mapping(base)
+    if part == "sample":
+        rate, steps = sample_level_plan(base, clients)
+        methods = [{"name": "non-private, fp32", "dp": "none", "codec": "none",
+                    "feedback": "none"}]
+        uplinks = [("fp32", {"codec": "none", "feedback": "none"}),
+                   ("8-bit", {"codec": "quant:bits=8", "feedback": "none"}),
+                   ("shared Rand-K 25% + 8-bit", {"codec": "quant:bits=8", "feedback": "none",
+                                                  "shared-randk": 0.25}),
+                   ("Top-1% + 4-bit + EF", {"codec": TOPK, "feedback": "ef"})]
+    else:
+        rate, steps = cfg.clients_per_round / clients, cfg.num_server_rounds
+        methods = [{"name": "non-private FedAvg, fp32", "dp": "none", "codec": "none",
+                    "feedback": "none"}]
+        uplinks = [("fp32", {"codec": "none", "feedback": "none"}),
+                   ("shared Rand-K 10% + 8-bit", {"codec": "quant:bits=8", "feedback": "none",
+                                                  "shared-randk": 0.1})]
+    accounting = {}
     for eps in epsilons:
-        client_sigma = noise_for(eps, cfg.dp_delta, per_round / clients, rounds)
-        sample_sigma = noise_for(eps, cfg.dp_delta, sample_q, sample_steps)
-        for label, codec, feedback in (("Top-1% + 4-bit", COMPRESSED, "ef"),
-                                       ("fp32", "none", "none")):
-            methods.append({"name": f"client-level eps={eps:g}, {label}", "dp": "client",
-                            "dp-noise-multiplier": client_sigma,
-                            "codec": codec, "feedback": feedback})
-            methods.append({"name": f"sample-level eps={eps:g}, {label}", "dp": "sample",
-                            "dp-noise-multiplier": sample_sigma,
-                            "codec": codec, "feedback": feedback})
-        # Dense 8-bit quantization: compression that keeps every (noisy) coordinate.
-        methods.append({"name": f"sample-level eps={eps:g}, 8-bit", "dp": "sample",
-                        "dp-noise-multiplier": sample_sigma,
-                        "codec": "quant:bits=8", "feedback": "ef"})
-    print(f"{clients} clients, {per_round} per round, {rounds} rounds; smallest client "
-          f"{smallest} examples ({batches} batches): DP-SGD q = {sample_q:.3f}, "
-          f"{sample_steps} steps")
-    return Sweep(base=base, grid={"seed": [cfg.seed]}, methods=methods,
-                 num_supernodes=clients, name="dp-tradeoff")
+        sigma = noise_multiplier_for(eps, DELTA, rate, steps, "pld")
+        for label, settings in uplinks:
+            name = f"{part}-level eps={eps:g}, {label}"
+            methods.append({"name": name, "dp": part, "dp-noise-multiplier": round(sigma, 4),
+                            "dp-target-epsilon": eps, **settings,
+                            **({"dp-adaptive-clip": True} if part == "client" else {})})
+            accounting[name] = (rate, steps, round(sigma, 4))
+    print(f"{part} level: {clients} clients; the most exposed participant has sampling rate "
+          f"{rate:.4f} and {steps} steps", flush=True)
+    return Sweep(base=base, grid={"seed": [0]}, methods=methods, num_supernodes=clients,
+                 name=f"dp-{part}"), accounting
 
 
 def to_toml(sweep: Sweep) -> str:
@@ -90,7 +117,7 @@ def to_toml(sweep: Sweep) -> str:
             v, bool) else repr(v)
 
     lines = ["# Generated by experiments/dp_tradeoff.py: noise multipliers for each target",
-             "# epsilon from Opacus' RDP accountant. Rerun the script to change them.",
+             "# epsilon from the PLD accountant. Rerun the script to change them.",
              "[base]"]
     lines += [f"{k} = {value(v)}" for k, v in sweep.base.items()]
     lines += ["", "[grid]"] + [f"{k} = [{', '.join(value(x) for x in v)}]"
@@ -101,23 +128,80 @@ def to_toml(sweep: Sweep) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bytes_per_update(run_dir: Path) -> float:
+    """Mean payload bytes of an accepted update (the operator's rounds.csv)."""
+    with open(run_dir / "rounds.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    updates = sum(int(r["clients_ok"]) for r in rows)
+    return sum(int(r["uplink_bytes"]) for r in rows) / updates if updates else math.nan
+
+
+def report(sweep: Sweep, out: Path, accounting: dict) -> list[dict]:
+    rows = []
+    for run in sweep.runs:
+        name = run.values["method"]
+        path = out / run.run_id / "summary.json"
+        if not path.exists():
+            rows.append({"method": name, "status": "failed"})
+            continue
+        summary = json.loads(path.read_text())
+        per_update = bytes_per_update(out / run.run_id)
+        row = {"method": name, "status": "ok", "final_accuracy": summary["final_accuracy"],
+               "best_accuracy": summary["best_accuracy"], "bytes_per_update": per_update,
+               "x_fp32": summary["model_bytes_fp32"] / per_update,
+               "rounds": summary["rounds_completed"]}
+        if name in accounting:
+            rate, steps, sigma = accounting[name]
+            target = run.config.dp_target_epsilon
+            row.update({"target_epsilon": target, "sigma": sigma,
+                        "epsilon_pld": summary["epsilon"],
+                        "epsilon_rdp_same_sigma": epsilon_of([(sigma, rate, steps)], DELTA,
+                                                             "rdp"),
+                        "sigma_rdp_needed": noise_multiplier_for(target, DELTA, rate, steps,
+                                                                 "rdp")})
+        rows.append(row)
+    fp32 = {r.get("target_epsilon"): r["final_accuracy"] for r in rows
+            if r["status"] == "ok" and r["method"].endswith("fp32")}
+    for r in rows:
+        if r["status"] == "ok":
+            r["vs_dp_fp32"] = r["final_accuracy"] - fp32.get(r.get("target_epsilon"), math.nan)
+            r["vs_non_private"] = r["final_accuracy"] - fp32.get(None, math.nan)
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    def f(value, spec):
+        return "-" if value is None or (isinstance(value, float) and math.isnan(value)) \
+            else format(value, spec)
+
+    print("\n| method | sigma (PLD) | epsilon PLD | epsilon RDP, same sigma | sigma RDP needs |"
+          " bytes/update | x fp32 | final acc | best acc | vs DP fp32 | vs non-private |"
+          "\n|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"| {r['method']} | failed |" + " |" * 10)
+            continue
+        print(f"| {r['method']} | {f(r.get('sigma'), '.3f')} | {f(r.get('epsilon_pld'), '.2f')}"
+              f" | {f(r.get('epsilon_rdp_same_sigma'), '.2f')} | "
+              f"{f(r.get('sigma_rdp_needed'), '.3f')} | {r['bytes_per_update']:,.0f} | "
+              f"{r['x_fp32']:.1f} | {r['final_accuracy']:.4f} | {r['best_accuracy']:.4f} | "
+              f"{f(100 * r['vs_dp_fp32'], '+.1f')} | {f(100 * r['vs_non_private'], '+.1f')} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/dp")
-    parser.add_argument("--epsilons", type=float, nargs="+", default=[1.0, 4.0, 8.0])
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--part", choices=("sample", "client"), required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epsilons", type=float, nargs="+")
+    parser.add_argument("--clients", type=int)
     args = parser.parse_args()
-    # IID partitions: the privacy cost, not the label skew, is what this measures.
-    base = {"dataset": "digits", "partitioning": "iid", "num-server-rounds": args.rounds,
-            "local-epochs": 2,
-            "dp-clip-norm": 1.0, "dp-delta": 1e-5, "lr": 0.05}
-    sweep = build_sweep(base, args.epsilons, args.clients)
+    for key, value in FLOWER_ENV.items():
+        os.environ.setdefault(key, value)
+    clients = args.clients or CLIENTS[args.part]
+    sweep, accounting = build_sweep(args.part, args.epsilons or EPSILONS[args.part], clients)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.toml").write_text(to_toml(sweep))
-    for key, value in FLOWER_ENV.items():
-        os.environ.setdefault(key, value)
 
     def runner(config, num_supernodes):
         from server.simulation import simulate
@@ -126,19 +210,14 @@ def main() -> None:
         return summary
 
     run_sweep(sweep, out, runner)
-    print("\n| method | noise multiplier | epsilon reported | final accuracy | best accuracy |"
-          "\n|---|---|---|---|---|")
-    for run in sweep.runs:
-        path = out / run.run_id / "summary.json"
-        if not path.exists():
-            print(f"| {run.values['method']} | - | - | failed | - |")
-            continue
-        summary = json.loads(path.read_text())
-        eps = summary.get("epsilon")
-        sigma = run.config.dp_noise_multiplier if run.config.dp != "none" else 0.0
-        print(f"| {run.values['method']} | {sigma:g} | "
-              f"{'-' if eps is None else f'{eps:.2f}'} | {summary['final_accuracy']:.4f} | "
-              f"{summary['best_accuracy']:.4f} |")
+    rows = report(sweep, out, accounting)
+    columns = sorted({key for r in rows for key in r}, key=lambda k: (k != "method", k))
+    with open(out / "dp_tradeoff.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    print_table(rows)
+    print(f"\n{out / 'dp_tradeoff.csv'}")
 
 
 if __name__ == "__main__":

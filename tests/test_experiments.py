@@ -195,3 +195,20 @@ def test_offline_averages_agree_with_their_definitions():
                                               strict=True)] == [True] * 8
     with pytest.raises(ValueError, match="unknown scheme"):
         next(averaging.averages(models, "swa"))
+
+
+def test_dp_benchmark_calibrates_each_epsilon_with_the_accountant_runs_report():
+    from fedcomp.privacy.accounting import epsilon_of
+
+    dp = _load("dp_tradeoff")
+    sweep, accounting = dp.build_sweep("client", [4.0, 8.0], 1000)
+    names = [m["name"] for m in sweep.methods]
+    assert names[0].startswith("non-private") and len(names) == 1 + 2 * 2
+    for run in sweep.runs:
+        if run.values["method"] in accounting:
+            rate, steps, sigma = accounting[run.values["method"]]
+            assert (rate, steps) == (0.1, 100) and run.config.dp == "client"
+            eps = run.config.dp_target_epsilon
+            assert epsilon_of([(sigma, rate, steps)], 1e-5) <= eps  # never above the target
+            assert epsilon_of([(sigma * 0.97, rate, steps)], 1e-5) > eps * 0.99  # and tight
+    assert "[[method]]" in dp.to_toml(sweep) and "shared-randk = 0.1" in dp.to_toml(sweep)
