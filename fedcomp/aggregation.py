@@ -3,15 +3,24 @@
 Each reply is decoded strictly against the expected model and codec
 (:func:`fedcomp.wire.unpack_payload`). A bad reply (corrupt, hostile, for another
 round, with a nonsensical weight) is rejected on its own, with its reason, and the
-round goes on with the others. The weighted mean is accumulated one reply at a time,
-so memory stays at one model plus one decoded update whatever the number of
-clients.
+round goes on with the others. Without bounds the weighted mean is accumulated one
+reply at a time, so memory stays at one model plus one decoded update whatever the
+number of clients; it is summed in float64, so values near the float32 maximum
+cannot overflow the sum.
 
-Optional norm bound, against poisoned or broken clients: an update whose L2 norm is
-more than ``norm_bound`` times the median norm of the round's valid updates is
-rejected (reason ``"norm"``) or clipped to that bound. It needs at least three valid
-updates to have a meaningful median and then holds the round's decoded updates in
-memory (clients per round x model size). Off by default.
+Bounds on one client's influence, against poisoned or broken clients (the run's
+defaults turn the first two on: :class:`fedcomp.config.RunConfig`):
+
+* a norm bound: an update whose L2 norm is more than ``norm_bound`` times the median
+  norm of the round's valid updates (or an earlier round's, when this one has fewer
+  than three) is clipped to that bound or rejected (reason ``"norm"``);
+* a weight cap: a claimed example count above ``weight_cap`` times the round's median
+  claim is cut down to it;
+* a robust rule instead of the mean (:mod:`fedcomp.robust`): coordinate-wise median,
+  trimmed mean, (multi-)Krum.
+
+Each of them holds the round's decoded updates in memory (clients per round x model
+size).
 
 Replies are summed in the order of their ``order_key`` (the client's partition id),
 not their arrival order, so that the floating-point sum, and with it the whole run,
@@ -32,15 +41,13 @@ import numpy as np
 
 from fedcomp.errors import PayloadError
 from fedcomp.privacy.clipping import clip_update
+from fedcomp.replies import MAX_EXAMPLES
+from fedcomp.robust import AggregationRule
 from fedcomp.wire import ExpectedTensor, unpack_payload
 
 __all__ = ["AggregationResult", "ClientReply", "Rejection", "aggregate_deltas"]
 
 log = logging.getLogger(__name__)
-
-#: Largest example count a client may claim (its weight in the mean).
-MAX_EXAMPLES = 1e9
-
 
 @dataclass(frozen=True)
 class ClientReply:
@@ -72,6 +79,12 @@ class AggregationResult:
     clipped: list[int] = field(default_factory=list)
     #: Sum of the accepted updates (weighted; with ``clip_norm``: re-clipped, unweighted).
     total: dict[str, np.ndarray] | None = None
+    #: The round's median update norm (with a norm bound and enough updates).
+    median_norm: float | None = None
+    #: Nodes whose claimed example count was cut down to the cap.
+    weight_capped: list[int] = field(default_factory=list)
+    #: The aggregate was not finite in float32 and was dropped.
+    non_finite: bool = False
 
     @property
     def rejected_by_reason(self) -> dict[str, int]:
@@ -86,8 +99,11 @@ def aggregate_deltas(
     norm_bound: float = 0.0,
     norm_action: str = "reject",
     clip_norm: float = 0.0,
+    reference_norm: float | None = None,
+    weight_cap: float = 0.0,
+    rule: AggregationRule | None = None,
 ) -> AggregationResult:
-    """Example-weighted mean of the valid replies' decoded deltas.
+    """Example-weighted mean (or a robust rule) of the valid replies' decoded deltas.
 
     Parameters
     ----------
@@ -100,11 +116,25 @@ def aggregate_deltas(
         for another round or model version is rejected as ``"stale"``.
     norm_bound
         0 (off), or the multiple of the median update norm above which an update is
-        rejected or clipped (``norm_action``: ``"reject"`` or ``"clip"``).
+        rejected or clipped (``norm_action``: ``"reject"`` or ``"clip"``). The median
+        is the round's with at least :data:`MIN_FOR_MEDIAN` valid updates, else
+        ``reference_norm`` (an earlier round's), else there is no bound yet.
     clip_norm
         0 (off), or differential privacy's clipping norm: every decoded update is
         re-clipped to it and all count equally, so each contributes at most
         ``clip_norm`` to ``result.total`` whatever its codec did.
+    weight_cap
+        0 (off), or the multiple of the round's median claimed example count above
+        which a claim is cut down (with at least :data:`MIN_FOR_MEDIAN` valid updates):
+        one client claiming a billion examples cannot take over the mean.
+    rule
+        ``None`` or ``mean``: the weighted mean, accumulated one update at a time;
+        a robust rule (:mod:`fedcomp.robust`) holds the round's updates at once.
+
+    The sum is accumulated in float64. A decoded update with a non-finite value is
+    rejected (``non-finite``); a mean that is not finite in float32 (values near the
+    float32 maximum) is not returned: ``result.mean_delta`` is None and
+    ``result.non_finite`` is set, so the caller skips the round.
     """
     if norm_action not in ("reject", "clip"):
         raise ValueError(f"norm_action must be 'reject' or 'clip', got {norm_action!r}")
@@ -114,8 +144,34 @@ def aggregate_deltas(
                                for reply in sorted(replies, key=lambda r: (r.order_key,
                                                                            r.node_id)))
              if item is not None)
-    if norm_bound > 0:
-        valid = iter(_apply_norm_bound(list(valid), norm_bound, norm_action, result))
+    robust = rule is not None and rule.robust
+    if norm_bound > 0 or weight_cap > 0 or robust:
+        items = list(valid)
+        if weight_cap > 0:
+            items = _cap_weights(items, weight_cap, result)
+        if norm_bound > 0:
+            items = _apply_norm_bound(items, norm_bound, norm_action, reference_norm, result)
+        valid = iter(items)
+    if robust:
+        _combine_robust(list(valid), rule, clip_norm, expected, result)
+    else:
+        _weighted_mean(valid, clip_norm, expected, result)
+    if result.mean_delta is not None and not all(
+            np.isfinite(v).all() for part in (result.mean_delta, result.total or {})
+            for v in part.values()):
+        result.mean_delta, result.total, result.non_finite = None, None, True
+        log.warning("the aggregate of %d updates is not finite in float32: not used",
+                    len(result.accepted))
+    result.decode_s = time.perf_counter() - start
+    return result
+
+
+#: Valid updates a round needs before its median norm or weight means anything.
+MIN_FOR_MEDIAN = 3
+
+
+def _weighted_mean(valid: Iterable[Decoded], clip_norm: float,
+                   expected: Mapping[str, ExpectedTensor], result: AggregationResult) -> None:
     total: dict[str, np.ndarray] | None = None
     weight_sum = 0.0
     for node, weight, tensors in valid:
@@ -126,14 +182,26 @@ def aggregate_deltas(
             total = {name: np.zeros(spec.shape, dtype=np.float64)
                      for name, spec in expected.items()}
         for name, value in tensors.items():
-            total[name] += weight * value
+            total[name] += weight * value.astype(np.float64)
         weight_sum += weight
         result.accepted.append(node)
     if total is not None:
-        result.total = {k: v.astype(np.float32) for k, v in total.items()}
-        result.mean_delta = {k: (v / weight_sum).astype(np.float32) for k, v in total.items()}
-    result.decode_s = time.perf_counter() - start
-    return result
+        with np.errstate(over="ignore"):  # a float32 overflow is caught by the caller
+            result.total = {k: v.astype(np.float32) for k, v in total.items()}
+            result.mean_delta = {k: (v / weight_sum).astype(np.float32)
+                                 for k, v in total.items()}
+
+
+def _combine_robust(items: list[Decoded], rule: AggregationRule, clip_norm: float,
+                    expected: Mapping[str, ExpectedTensor], result: AggregationResult) -> None:
+    if not items:
+        return
+    updates = [clip_update(t, clip_norm)[0] if clip_norm > 0 else t for _, _, t in items]
+    combined = rule.combine(updates)
+    result.accepted.extend(node for node, _, _ in items)
+    with np.errstate(over="ignore"):
+        result.mean_delta = {k: combined[k].astype(np.float32) for k in expected}
+        result.total = {k: (combined[k] * len(items)).astype(np.float32) for k in expected}
 
 
 Decoded = tuple[int, float, dict[str, np.ndarray]]
@@ -158,6 +226,10 @@ def _decode(reply: ClientReply, expected: Mapping[str, ExpectedTensor],
             if decoded.meta.get(key) != value:
                 raise PayloadError(f"payload {key} is {decoded.meta.get(key)!r}, "
                                    f"expected {value!r}", reason="stale")
+        for name, value in decoded.tensors.items():
+            if not np.isfinite(value).all():
+                raise PayloadError(f"tensor {name!r} decodes to NaN or Inf",
+                                   reason="non-finite")
     except PayloadError as exc:
         _reject(result, reply.node_id, exc.reason, str(exc))
         return None
@@ -165,23 +237,45 @@ def _decode(reply: ClientReply, expected: Mapping[str, ExpectedTensor],
 
 
 def _norm(tensors: Mapping[str, np.ndarray]) -> float:
-    return math.sqrt(sum(float(np.vdot(v, v)) for v in tensors.values()))
+    return math.sqrt(sum(float(np.vdot(v.astype(np.float64), v.astype(np.float64)))
+                         for v in tensors.values()))
+
+
+def _cap_weights(items: list[Decoded], cap: float, result: AggregationResult) -> list[Decoded]:
+    if len(items) < MIN_FOR_MEDIAN:
+        return items
+    limit = cap * float(np.median([weight for _, weight, _ in items]))
+    capped = []
+    for node, weight, tensors in items:
+        if weight > limit:
+            result.weight_capped.append(node)
+            log.warning("node %s claims %g examples, above %g x the round's median: "
+                        "counted as %g", node, weight, cap, limit)
+            weight = limit
+        capped.append((node, weight, tensors))
+    return capped
 
 
 def _apply_norm_bound(items: list[Decoded], bound: float, action: str,
-                      result: AggregationResult) -> list[Decoded]:
+                      reference: float | None, result: AggregationResult) -> list[Decoded]:
     norms = [_norm(tensors) for _, _, tensors in items]
     result.norms = {node: norm for (node, _, _), norm in zip(items, norms, strict=True)}
-    if len(items) < 3:
+    if len(items) >= MIN_FOR_MEDIAN:
+        result.median_norm = float(np.median(norms))
+        median = result.median_norm
+    elif reference is not None and reference > 0:
+        median = reference  # too few updates for a median of their own
+    else:
         return items  # no meaningful median yet
-    limit = bound * float(np.median(norms))
+    limit = bound * median
     kept = []
     for (node, weight, tensors), norm in zip(items, norms, strict=True):
         if norm <= limit:
             kept.append((node, weight, tensors))
         elif action == "clip":
-            scale = np.float32(limit / norm)
-            kept.append((node, weight, {k: v * scale for k, v in tensors.items()}))
+            scale = limit / norm
+            kept.append((node, weight, {k: (v.astype(np.float64) * scale).astype(np.float32)
+                                        for k, v in tensors.items()}))
             result.clipped.append(node)
         else:
             _reject(result, node, "norm", f"update norm {norm:.3g} is above {bound:g} x the "

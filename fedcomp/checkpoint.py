@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -50,10 +52,15 @@ def load_model(path: str | Path) -> dict[str, np.ndarray]:
 
 def _load_arrays(path: str | Path, what: str) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as data:
+        data = np.load(path, allow_pickle=False)
+        if not isinstance(data, np.lib.npyio.NpzFile):
+            raise ValueError("not an .npz archive")
+        with data:
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {what} {path}: {exc}") from None
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile, zlib.error) as exc:
+        # Empty, truncated or corrupt files: every way an .npz read fails, as one error.
+        raise CheckpointError(f"cannot read {what} {path}: {type(exc).__name__}: {exc}"
+                              ) from None
 
 
 def _save_atomically(path: Path, payload: Mapping[str, np.ndarray]) -> None:
@@ -75,7 +82,10 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, 
     arrays = _load_arrays(path, "checkpoint")
     if _META not in arrays:
         raise CheckpointError(f"{path} is not a fedcomp checkpoint")
-    meta = json.loads(arrays.pop(_META).tobytes())
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: unknown checkpoint format {meta.get('format')!r}")
+    try:
+        meta = json.loads(arrays.pop(_META).tobytes())
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint")
     return arrays, meta

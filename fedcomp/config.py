@@ -22,6 +22,7 @@ from fedcomp.faults import FAULT_KINDS, FaultPlan
 from fedcomp.pipeline import Pipeline
 from fedcomp.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
 from fedcomp.privacy.subspace import RandomSubspace
+from fedcomp.robust import AggregationRule, parse_rule
 from fedcomp.wire import ExpectedTensor
 
 __all__ = ["RunConfig", "config_key"]
@@ -41,6 +42,17 @@ _CHOICES = {
     # each client's own difference (fedcomp.downlink.PerClientBroadcaster).
     "downlink_mode": ("shared", "per-client"),
 }
+
+
+#: Defaults that changed after runs were recorded: the run id compares a setting with
+#: its value *before* the change, so an old run's id still names what it ran (a run
+#: with the new default gets a new id).
+_DIGEST_BASELINE = {"norm-bound": 0.0, "norm-action": "reject", "weight-cap": 0.0}
+
+
+def _defaults() -> dict[str, Any]:
+    """Field name -> default value."""
+    return {f.name: f.default for f in dataclasses.fields(RunConfig) if not f.name.startswith("_")}
 
 
 def config_key(name: str) -> str:
@@ -89,8 +101,10 @@ class RunConfig:
     save_model_every: int = 0
     round_timeout: float = 600.0
     eval_every: int = 1
-    norm_bound: float = 0.0
-    norm_action: str = "reject"
+    norm_bound: float = 3.0
+    norm_action: str = "clip"
+    weight_cap: float = 3.0
+    aggregation: str = "mean"
     fault_dropout: float = 0.0
     fault_straggler: float = 0.0
     fault_corrupt: float = 0.0
@@ -166,11 +180,24 @@ class RunConfig:
                                   or not 0 < self.dp_delta < 1 or self.dp_target_epsilon < 0):
             raise SpecError("run config dp-noise-multiplier and dp-clip-norm must be > 0, "
                             "dp-delta in (0, 1) and dp-target-epsilon >= 0")
-        if self.dp == "client" and self.norm_bound:
-            raise SpecError("run config 'norm-bound' cannot be used with dp = 'client': its "
+        defaults = _defaults()
+        if self.dp == "client" and self.norm_bound not in (0.0, defaults["norm_bound"]):
+            raise SpecError("run config 'norm-bound' cannot be set with dp = 'client': its "
                             "median-based rejection lets one client change which others are "
                             "kept, so a client's influence would exceed dp-clip-norm; the "
-                            "server's re-clipping to dp-clip-norm already bounds every update")
+                            "server's re-clipping to dp-clip-norm bounds every update instead "
+                            "(the default bound is not applied under client-level DP)")
+        if self.weight_cap != 0 and self.weight_cap < 1:
+            raise SpecError(f"run config 'weight-cap' must be 0 (off) or >= 1 (a multiple of "
+                            f"the round's median example count), got {self.weight_cap!r}")
+        try:
+            rule = parse_rule(self.aggregation)
+        except SpecError as exc:
+            raise SpecError(f"run config 'aggregation': {exc}") from None
+        if rule.robust and self.dp == "client":
+            raise SpecError(f"run config 'aggregation' = {self.aggregation!r} cannot be used "
+                            "with dp = 'client': the noise is calibrated to the sum of "
+                            "clipped updates")
         if not 0.0 <= self.shared_randk <= 1.0:
             raise SpecError(f"run config 'shared-randk' must be in [0, 1] (0: off), got "
                             f"{self.shared_randk!r}")
@@ -241,6 +268,18 @@ class RunConfig:
         return FaultPlan({kind: getattr(self, f"fault_{kind}") for kind in FAULT_KINDS},
                          seed=self.fault_seed)
 
+    @property
+    def aggregation_rule(self) -> AggregationRule:
+        """The parsed ``aggregation`` rule."""
+        return parse_rule(self.aggregation)
+
+    def influence_bounds(self) -> dict[str, float]:
+        """The norm bound and weight cap :func:`fedcomp.aggregation.aggregate_deltas`
+        applies: none under client-level DP, whose re-clipping bounds every update."""
+        if self.dp == "client":
+            return {"norm_bound": 0.0, "weight_cap": 0.0}
+        return {"norm_bound": self.norm_bound, "weight_cap": self.weight_cap}
+
     def subspace(self, server_round: int) -> RandomSubspace | None:
         """The round's shared random subspace (``shared-randk`` > 0), else None."""
         if not self.shared_randk:
@@ -290,7 +329,7 @@ class RunConfig:
         say where and what to write (run name, folder, checkpoint, saved models) or
         whether to resume do not shape results and stay out.
         """
-        defaults = RunConfig().to_mapping()
+        defaults = {**RunConfig().to_mapping(), **_DIGEST_BASELINE}
         settings = {k: v for k, v in self.to_mapping().items()
                     if k not in ("run-name", "results-dir", "resume", "checkpoint",
                                  "checkpoint-every", "save-model-every")

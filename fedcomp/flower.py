@@ -8,11 +8,13 @@ Flower (which moves fast between minor releases) to this file.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedcomp.downlink import DownlinkMessage
+from fedcomp.replies import ReplyError, parse_digest
 
 __all__ = [
     "PAYLOAD_KEY",
@@ -25,6 +27,7 @@ __all__ = [
     "payload_from_record",
     "payload_to_record",
     "record_to_state",
+    "reply_parts",
     "save_client_state",
     "state_to_record",
 ]
@@ -61,6 +64,27 @@ def payload_from_record(record: ConfigRecord) -> bytes:
     if not isinstance(value, bytes):
         raise ValueError(f"reply has no {PAYLOAD_KEY!r} bytes (got {type(value).__name__})")
     return value
+
+
+def reply_parts(content: RecordDict) -> tuple[bytes, dict[str, Any], str]:
+    """A train reply's payload bytes, raw metrics and replica digest.
+
+    Raises :class:`~fedcomp.replies.ReplyError` when a record is missing or of the
+    wrong kind; the metrics' values are checked by
+    :func:`~fedcomp.replies.parse_reply_metrics`.
+    """
+    parts = {}
+    for key, kind in (("update", ConfigRecord), ("metrics", MetricRecord),
+                      ("replica", ConfigRecord)):
+        record = content[key] if key in content else None
+        if not isinstance(record, kind):
+            raise ReplyError(f"reply lacks a {kind.__name__} {key!r}")
+        parts[key] = record
+    try:
+        payload = payload_from_record(parts["update"])
+    except ValueError as exc:
+        raise ReplyError(str(exc)) from None
+    return payload, dict(parts["metrics"]), parse_digest(parts["replica"].get("digest"))
 
 
 def downlink_to_record(message: DownlinkMessage) -> ConfigRecord:

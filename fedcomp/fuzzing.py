@@ -181,6 +181,16 @@ def _resize_body(p: bytes, rng: np.random.Generator) -> bytes:
     return assemble(header, body + rng.bytes(int(rng.integers(1, 64))))
 
 
+def _header_bomb(p: bytes, rng: np.random.Generator) -> bytes:
+    """A valid header padded with up to 4 MiB of whitespace: a few kB compressed."""
+    header, body = split(p)
+    raw = json.dumps(header).encode()
+    raw = raw[:-1] + b" " * int(rng.integers(64 << 10, 4 << 20)) + raw[-1:]
+    stored = zstandard.ZstdCompressor(level=3).compress(raw)
+    framed = bytearray(assemble(stored, body, flags=1, raw_len=len(raw)))
+    return bytes(framed)
+
+
 MUTATIONS: dict[str, Callable[[bytes, np.random.Generator], bytes]] = {
     "flip": _flip,
     "truncate": _truncate,
@@ -193,6 +203,7 @@ MUTATIONS: dict[str, Callable[[bytes, np.random.Generator], bytes]] = {
     "body-floats": _body_floats,
     "spec": _spec,
     "resize-body": _resize_body,
+    "header-bomb": _header_bomb,
 }
 
 

@@ -108,6 +108,19 @@ class ServerOptimizer:
                 out[name] = w + lr * m / (np.sqrt(v) + np.float32(self.tau))
         return out
 
+    def step_if_finite(self, model: Mapping[str, np.ndarray],
+                       delta: Mapping[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        """:meth:`step`, or None, with the optimizer's state untouched, when the new
+        model would hold a NaN or an infinity (an overflow must never be published)."""
+        saved_steps, saved_state = self.steps, {k: v.copy() for k, v in self.state.items()}
+        with np.errstate(over="ignore", invalid="ignore"):
+            out = self.step(model, delta)
+        if all(np.isfinite(v).all() for v in out.values()) and all(
+                np.isfinite(v).all() for v in self.state.values()):
+            return out
+        self.steps, self.state = saved_steps, saved_state
+        return None
+
     def state_dict(self) -> dict[str, np.ndarray]:
         state = {f"state/{k}": v for k, v in self.state.items()}
         state["steps"] = np.array([self.steps], dtype=np.int64)

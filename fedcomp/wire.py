@@ -89,6 +89,9 @@ OVERHEAD_BYTES = _PREFIX.size + _CRC.size
 
 MAX_HEADER_BYTES = 1 << 20
 MAX_HEADER_RAW_BYTES = 4 << 20
+#: The header cap with an expected model: this much plus the next per tensor.
+HEADER_BASE_BYTES = 8 << 10
+HEADER_BYTES_PER_TENSOR = 2 << 10
 MAX_TENSORS = 4096
 MAX_NAME_LENGTH = 256
 MAX_PARTS = 16
@@ -285,6 +288,18 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def header_cap(expected: Mapping[str, ExpectedTensor] | None) -> int:
+    """Most bytes a payload's JSON header may expand to, checked before it is inflated.
+
+    With the expected model known, 8 KiB plus 2 KiB per tensor (real headers take
+    about 0.2-0.6 KiB per tensor), so a header bomb costs at most a few tens of KiB of
+    decompression and JSON parsing; without it, :data:`MAX_HEADER_RAW_BYTES`.
+    """
+    if expected is None:
+        return MAX_HEADER_RAW_BYTES
+    return min(MAX_HEADER_RAW_BYTES, HEADER_BASE_BYTES + HEADER_BYTES_PER_TENSOR * len(expected))
+
+
 def _refuse_constant(name: str) -> Any:
     raise _reject(f"payload header contains {name}", reason="non-finite")
 
@@ -448,8 +463,10 @@ def _unpack(
     if (flags & ~_KNOWN_FLAGS or (reserved and not with_dictionary)
             or (with_dictionary and not flags & _FLAG_ZSTD_HEADER)):
         raise _reject(f"unknown flags {flags:#x}/{reserved:#x}", "version")
-    if header_len > MAX_HEADER_BYTES or header_raw > MAX_HEADER_RAW_BYTES:
-        raise _reject(f"header of {header_len}/{header_raw} bytes is too large", "size")
+    raw_cap = header_cap(expected)
+    if header_len > min(MAX_HEADER_BYTES, raw_cap) or header_raw > raw_cap:
+        raise _reject(f"header of {header_len}/{header_raw} bytes is too large (at most "
+                      f"{raw_cap} for this model)", "size")
     want = OVERHEAD_BYTES + header_len + body_len
     if total != want:
         raise _reject(f"payload is {total} bytes; its prefix says {want}",

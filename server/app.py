@@ -112,6 +112,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
     recorder.extra = {
         "replica_checks": sum(s.replica_checks for s in strategy.stats.values()),
         "replica_mismatches": sum(s.replica_mismatches for s in strategy.stats.values()),
+        "skipped_rounds": {str(r): s.skipped for r, s in sorted(strategy.stats.items())
+                           if s.skipped},
         "resumed_after_round": done,
         **(strategy.privacy.summary() if strategy.privacy is not None else {"epsilon": None}),
         "stopped_early": strategy.stopped,

@@ -50,8 +50,10 @@ from fedcomp.config import RunConfig
 from fedcomp.downlink import Broadcaster, PerClientBroadcaster, model_digest
 from fedcomp.errors import SpecError
 from fedcomp.feedback import OutcomeLedger
-from fedcomp.flower import downlink_to_record, outcomes_to_record, payload_from_record
+from fedcomp.flower import downlink_to_record, outcomes_to_record, reply_parts
+from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import ServerPrivacy
+from fedcomp.replies import ReplyError, parse_reply_metrics
 from fedcomp.results import RoundRecord
 from fedcomp.sampling import order_nodes, parse_partition_id, sample_nodes
 from fedcomp.server_opt import ServerOptimizer
@@ -70,6 +72,8 @@ class RoundStats:
     replica_checks: int = 0
     replica_mismatches: int = 0
     client_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: Why the round published nothing although updates arrived (a non-finite step).
+    skipped: str | None = None
 
 
 class CompressedFedAvg(FedAvg):
@@ -126,6 +130,14 @@ class CompressedFedAvg(FedAvg):
         self.dp_plans: dict[int, tuple[float, int, int]] = {}
         #: Why training stopped before the last round (a privacy budget), if it did.
         self.stopped: str | None = None
+        #: The last round's median update norm: the norm bound's yardstick in a round
+        #: with too few updates for a median of its own.
+        self.norm_reference: float | None = None
+        #: The reply fields this run cannot do without.
+        self._required_metrics = (
+            ("num-examples",) if cfg.dp == "none" else
+            ("dp-sample-rate", "dp-steps") if cfg.dp == "sample" else
+            ("dp-unclipped",) if cfg.dp_adaptive_clip else ())
         # The run config every train message carries. Empty strings are left out (the
         # client's RunConfig defaults them to ""): Flower's ConfigRecord.count_bytes,
         # which message_size_mod calls, rejects them.
@@ -192,6 +204,19 @@ class CompressedFedAvg(FedAvg):
         if missing:
             log.warning("%d of %d nodes have no known partition; sampling them is not "
                         "reproducible across runs", missing, len(nodes))
+
+    def _parse_reply(self, node: int, content: RecordDict) -> tuple[bytes, dict[str, float], str]:
+        """A reply's payload, checked metrics and replica digest (:mod:`fedcomp.replies`).
+
+        The partition the node told when it was first asked overrides the one its reply
+        claims: a node cannot pass for another in the order of the sum or in another's
+        privacy accounting.
+        """
+        payload, raw, digest = reply_parts(content)
+        metrics = parse_reply_metrics(raw, required=self._required_metrics)
+        metrics["partition-id"] = float(self.partition_of.get(
+            node, metrics.get("partition-id", 0.0)))
+        return payload, metrics, digest
 
     def _learn_dp_plan(self, node: int, content: RecordDict) -> None:
         """A node's DP-SGD plan from its query reply; a refusal stops the run."""
@@ -288,13 +313,11 @@ class CompressedFedAvg(FedAvg):
                             msg.error.reason)
                 continue
             try:
-                payload = payload_from_record(msg.content["update"])
-                metrics = dict(msg.content["metrics"])
-                reported = msg.content["replica"]["digest"]
-            except (KeyError, ValueError, TypeError) as exc:
+                payload, metrics, reported = self._parse_reply(node, msg.content)
+            except (ReplyError, KeyError, ValueError, TypeError) as exc:
+                reason = exc.reason if isinstance(exc, ReplyError) else "malformed"
                 stats.record.rejected += 1
-                stats.rejected_by_reason["malformed"] = (
-                    stats.rejected_by_reason.get("malformed", 0) + 1)
+                stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + 1
                 log.warning("node %s sent a malformed reply: %s", node, exc)
                 self._forget_replica(node)
                 continue
@@ -305,19 +328,23 @@ class CompressedFedAvg(FedAvg):
                 log.error("node %s holds a replica that differs from the server's copy", node)
                 self._forget_replica(node)
             # Under DP every update weighs the same (clients send no example counts).
-            weight = 1.0 if self.privacy else float(metrics.get("num-examples", 0.0))
+            weight = 1.0 if self.privacy else metrics["num-examples"]
             client_replies.append(ClientReply(
-                node, payload, weight, order_key=int(metrics.get("partition-id", 0))))
-            stats.record.encode_s += float(metrics.get("encode-s", 0.0))
-            stats.record.train_s += float(metrics.get("train-s", 0.0))
+                node, payload, weight, order_key=int(metrics["partition-id"])))
+            stats.record.encode_s += metrics.get("encode-s", 0.0)
+            stats.record.train_s += metrics.get("train-s", 0.0)
             # The node applied the downlink: its replica is at the pre-publish round.
             self.node_rounds[node] = self.broadcaster.round
 
         result = aggregate_deltas(client_replies, self.expected,
                                   expected_meta={"round": server_round},
-                                  norm_bound=self.cfg.norm_bound,
                                   norm_action=self.cfg.norm_action,
-                                  clip_norm=self.privacy.clip_norm if self.privacy else 0.0)
+                                  reference_norm=self._norm_reference(),
+                                  rule=self.cfg.aggregation_rule,
+                                  clip_norm=self.privacy.clip_norm if self.privacy else 0.0,
+                                  **self.cfg.influence_bounds())
+        if result.median_norm is not None:
+            self.norm_reference = result.median_norm
         mean = result.mean_delta
         # Client-level DP releases a noisy mean every round, whoever answered.
         released = self.cfg.dp == "client"
@@ -334,12 +361,17 @@ class CompressedFedAvg(FedAvg):
         for reason, count in result.rejected_by_reason.items():
             stats.rejected_by_reason[reason] = stats.rejected_by_reason.get(reason, 0) + count
         applied: list[int] = []  # an abandoned round applies no one's update
-        if mean is not None and (released or len(result.accepted) >= self.cfg.min_clients):
-            target = self.optimizer.step(self.broadcaster.model, mean)
-            self.broadcaster.publish(target)
-            if self.average is not None:
-                self.average.update(self.broadcaster.model)
-            applied = result.accepted
+        if result.non_finite:
+            self._skip(server_round, stats, "the aggregate overflows float32")
+        elif mean is not None and (released or len(result.accepted) >= self.cfg.min_clients):
+            target = self.optimizer.step_if_finite(self.broadcaster.model, mean)
+            if target is None:
+                self._skip(server_round, stats, "the server optimizer's step is not finite")
+            else:
+                self.broadcaster.publish(target)
+                if self.average is not None:
+                    self.average.update(self.broadcaster.model)
+                applied = result.accepted
         else:
             log.warning("round %d: %d accepted updates (< min-clients %d); the model is "
                         "unchanged", server_round, len(result.accepted), self.cfg.min_clients)
@@ -350,6 +382,19 @@ class CompressedFedAvg(FedAvg):
                                 "rejected": stats.record.rejected,
                                 "uplink-bytes": stats.record.uplink_bytes})
         return arrays, metrics
+
+    def _norm_reference(self) -> float:
+        """The norm bound's yardstick when a round has too few updates for a median:
+        the last round's median, else (the first rounds) the model's own norm, which no
+        honest update comes near three times of."""
+        if self.norm_reference is not None:
+            return self.norm_reference
+        return update_norm(self.broadcaster.model)
+
+    def _skip(self, server_round: int, stats: RoundStats, why: str) -> None:
+        """Publish nothing this round: a model with NaN or Inf would stop every client."""
+        stats.skipped = why
+        log.error("round %d skipped, the model is unchanged: %s", server_round, why)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]:

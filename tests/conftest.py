@@ -35,3 +35,28 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(12345)
+
+
+#: The model of the strategy tests: one weight matrix and its bias.
+STRATEGY_SHAPES = {"w": (30, 40), "b": (30,)}
+
+
+@pytest.fixture
+def make_strategy(monkeypatch):
+    """A CompressedFedAvg on a small random model, in a process posing as a ServerApp."""
+    # Messages read the run id of the current process, which a ServerApp would set.
+    from flwr.supercore.task_identity import TaskIdentity
+    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
+
+    def make(**settings):
+        from fedcomp.config import RunConfig
+        from strategies.compressed import CompressedFedAvg
+
+        rng = np.random.default_rng(0)
+        initial = {k: rng.standard_normal(s).astype(np.float32)
+                   for k, s in STRATEGY_SHAPES.items()}
+        return CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10, **settings),
+                                initial)
+    return make

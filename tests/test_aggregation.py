@@ -110,3 +110,74 @@ def test_the_norm_bound_and_dp_clipping_together_bound_every_contribution(action
     per_value = 0.5 / np.sqrt(numel)  # one clipped all-equal update, per coordinate
     np.testing.assert_allclose(result.total["w"], len(kept) * per_value, rtol=1e-5)
     np.testing.assert_allclose(result.mean_delta["b"], per_value, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ hostile updates
+def _payload(values: dict, round_: int = 1) -> bytes:
+    from fedcomp.policy import CompressionPolicy
+
+    return encode_update(values, CompressionPolicy("none"), rng=np.random.default_rng(0),
+                         meta={"round": round_}).payload
+
+
+def test_replies_at_the_float32_maximum_never_make_a_non_finite_aggregate():
+    from fedcomp.policy import CompressionPolicy
+
+    shapes = {"w": (4, 5)}
+    big = {"w": np.full((4, 5), np.finfo(np.float32).max, np.float32)}
+    replies = [ClientReply(1, _payload(big), 10.0), ClientReply(2, _payload(big), 10.0)]
+    result = aggregate_deltas(replies, CompressionPolicy("none").expected(shapes))
+    # The float64 sum is finite, not in float32: the caller gets nothing to publish.
+    assert result.non_finite and result.mean_delta is None and result.total is None
+    # One such update among honest ones is clipped by the default norm bound, measured
+    # against the model's own norm when there is no median yet.
+    honest = {"w": np.ones((4, 5), np.float32)}
+    bounded = aggregate_deltas([ClientReply(1, _payload(honest), 10.0),
+                                ClientReply(2, _payload(big), 10.0)],
+                               CompressionPolicy("none").expected(shapes), norm_bound=3.0,
+                               norm_action="clip", reference_norm=10.0)
+    assert bounded.clipped == [2] and np.isfinite(bounded.mean_delta["w"]).all()
+    assert np.linalg.norm(bounded.mean_delta["w"]) <= (np.sqrt(20) + 30) / 2 * (1 + 1e-5)
+
+
+def test_with_too_few_updates_the_norm_bound_uses_an_earlier_rounds_median():
+    from fedcomp.policy import CompressionPolicy
+
+    shapes = {"w": (4, 5)}
+    honest = {"w": np.ones((4, 5), np.float32)}
+    poison = {"w": np.full((4, 5), 1e6, np.float32)}
+    replies = [ClientReply(1, _payload(honest), 1.0), ClientReply(2, _payload(poison), 1.0)]
+    expected = CompressionPolicy("none").expected(shapes)
+    unbounded = aggregate_deltas(replies, expected, norm_bound=3.0, norm_action="clip")
+    assert unbounded.mean_delta["w"].max() > 1e5  # two updates: no median of their own
+    bounded = aggregate_deltas(replies, expected, norm_bound=3.0, norm_action="clip",
+                               reference_norm=np.sqrt(20.0))
+    assert bounded.clipped == [2]
+    assert np.linalg.norm(bounded.mean_delta["w"]) <= (1 + 3) / 2 * np.sqrt(20) * (1 + 1e-5)
+
+
+def test_an_inflated_example_count_is_cut_to_the_cap():
+    from fedcomp.policy import CompressionPolicy
+
+    shapes = {"w": (2,)}
+    replies = [ClientReply(i, _payload({"w": np.array([v, v], np.float32)}), n)
+               for i, (v, n) in enumerate([(1.0, 10), (1.0, 12), (1.0, 8), (-100.0, 1e9)])]
+    result = aggregate_deltas(replies, CompressionPolicy("none").expected(shapes),
+                              weight_cap=3.0)
+    assert result.weight_capped == [3]
+    # Median claim 11: the attacker counts as 33 of 63 examples, not 1e9 of 1e9 + 30.
+    assert result.mean_delta["w"][0] == pytest.approx((30 - 3300) / 63, rel=1e-5)
+
+
+def test_a_robust_rule_ignores_a_minority_of_wild_updates():
+    from fedcomp.policy import CompressionPolicy
+    from fedcomp.robust import AggregationRule
+
+    shapes = {"w": (3,)}
+    values = [1.0, 1.1, 0.9, 1e7]
+    replies = [ClientReply(i, _payload({"w": np.full(3, v, np.float32)}), 1.0)
+               for i, v in enumerate(values)]
+    result = aggregate_deltas(replies, CompressionPolicy("none").expected(shapes),
+                              rule=AggregationRule("median"))
+    assert result.accepted == [0, 1, 2, 3]
+    np.testing.assert_allclose(result.mean_delta["w"], 1.05, rtol=1e-6)

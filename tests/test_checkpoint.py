@@ -44,3 +44,33 @@ def test_a_saved_model_loads_back_with_plain_names(tmp_path):
     path.write_bytes(b"truncated")
     with pytest.raises(CheckpointError, match="cannot read model"):
         load_model(path)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage", "npy", "bad-meta"])
+def test_every_malformed_checkpoint_is_a_checkpoint_error(tmp_path, damage):
+    path = tmp_path / "checkpoint.npz"
+    save_checkpoint(path, {"w": np.arange(1000, dtype=np.float32)}, {"round": 3})
+    data = path.read_bytes()
+    if damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(np.random.default_rng(0).bytes(len(data)))
+    elif damage == "npy":
+        np.save(path.with_suffix(".npy"), np.zeros(3))
+        path.write_bytes(path.with_suffix(".npy").read_bytes())
+    else:
+        np.savez(path, w=np.zeros(3), __meta__=np.frombuffer(b"{not json", dtype=np.uint8))
+    with pytest.raises(CheckpointError):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("damage", [b"", b"PK\x03\x04 truncated"])
+def test_a_malformed_client_state_file_means_a_clean_start(tmp_path, damage, caplog):
+    from fedcomp.client_round import load_state_file
+
+    path = tmp_path / "state.npz"
+    path.write_bytes(damage)
+    assert load_state_file(path, run_id=1, partition_id=0) == {}
+    assert "starting clean" in caplog.text

@@ -71,3 +71,15 @@ def test_cosine_schedule_anneals_from_lr_to_lr_final_over_total_steps():
     assert ServerOptimizer("sgd", lr=0.3).lr_at(100) == 0.3  # constant by default
     with pytest.raises(ValueError, match="schedule 'step'"):
         ServerOptimizer("sgd", schedule="step")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "momentum", "adam", "yogi"])
+def test_a_step_that_would_not_be_finite_is_refused_and_leaves_the_state(kind):
+    opt = ServerOptimizer(kind, lr=1.0)
+    model = {"w": np.ones(4, np.float32)}
+    assert opt.step_if_finite(model, {"w": np.full(4, 0.1, np.float32)}) is not None
+    before = {k: v.copy() for k, v in opt.state.items()}
+    huge = {"w": np.full(4, np.finfo(np.float32).max, np.float32)}
+    bigger = {"w": np.full(4, np.finfo(np.float32).max, np.float32)}
+    assert opt.step_if_finite(huge, bigger) is None
+    assert opt.steps == 1 and all(np.array_equal(before[k], opt.state[k]) for k in before)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedcomp.config import RunConfig
 from fedcomp.downlink import model_digest
 from fedcomp.flower import payload_to_record
 from fedcomp.policy import encode_update
 from strategies.compressed import CompressedFedAvg
+from tests.conftest import STRATEGY_SHAPES
 
-SHAPES = {"w": (30, 40), "b": (30,)}
+SHAPES = STRATEGY_SHAPES
 
 
 class FakeGrid:
@@ -35,23 +34,6 @@ def _reply(request: Message, strategy: CompressedFedAvg, round_: int, node: int)
     })
     reply = Message(content=content, reply_to=request)
     return reply
-
-
-@pytest.fixture
-def make_strategy(monkeypatch):
-    """A CompressedFedAvg on a small random model, in a process posing as a ServerApp."""
-    # Messages read the run id of the current process, which a ServerApp would set.
-    from flwr.supercore.task_identity import TaskIdentity
-    monkeypatch.setattr(TaskIdentity, "_run_id", 1)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 0)
-
-    def make(**settings) -> CompressedFedAvg:
-        rng = np.random.default_rng(0)
-        initial = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
-        return CompressedFedAvg(RunConfig(codec="topk:ratio=0.1", min_numel=10, **settings),
-                                initial)
-    return make
 
 
 def test_late_replies_are_counted_and_the_round_goes_on(make_strategy):

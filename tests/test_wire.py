@@ -284,3 +284,25 @@ def test_the_reference_input_has_distinct_magnitudes_so_every_top_k_agrees():
     values = _reference_input((1 << 20,))
     assert values.dtype == np.float32 and np.unique(np.abs(values)).size == values.size
     np.testing.assert_array_equal(_reference_input((4, 5)).ravel(), _reference_input((20,)))
+
+
+def test_a_header_bomb_is_refused_before_it_is_inflated():
+    from fedcomp.client_round import model_shapes
+    from fedcomp.fuzzing import MUTATIONS
+    from fedcomp.policy import CompressionPolicy, encode_update
+    from fedcomp.wire import header_cap
+
+    shapes = model_shapes("digits")
+    policy = CompressionPolicy("topk:ratio=0.01|quant:bits=4")
+    rng = np.random.default_rng(0)
+    payload = encode_update({k: rng.standard_normal(s).astype(np.float32)
+                             for k, s in shapes.items()}, policy, rng=rng,
+                            meta={"round": 1}).payload
+    bomb = MUTATIONS["header-bomb"](payload, rng)
+    assert len(bomb) < 64 << 10  # a few kB on the wire ...
+    with pytest.raises(PayloadError, match="too large") as caught:
+        unpack_payload(bomb, expected=policy.expected(shapes))  # ... refused unread
+    assert caught.value.reason == "size"
+    assert header_cap(policy.expected(shapes)) == (8 + 2 * len(shapes)) << 10
+    # A real header of this model fits with room to spare.
+    assert unpack_payload(payload, expected=policy.expected(shapes)).meta == {"round": 1}

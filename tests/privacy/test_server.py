@@ -111,7 +111,8 @@ def test_noise_covers_only_the_coordinates_in_the_shapes_it_is_given():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(dp="client", norm_bound=3.0),
+    dict(dp="client", norm_bound=5.0),
+    dict(dp="client", aggregation="median"),
     dict(dp="client", dp_noise_multiplier=0.0),
     dict(dp="sample", dp_clip_norm=-1.0),
     dict(dp="client", dp_delta=1.0),
