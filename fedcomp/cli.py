@@ -264,6 +264,12 @@ def report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``fedcomp`` command line (every subcommand)."""
     parser = argparse.ArgumentParser(prog="fedcomp", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     sim = commands.add_parser("simulate", help="run the Flower simulation (flwr run . local)")
@@ -297,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
                           "against the reference run of the same seed")
     rep.set_defaults(handler=report)
     _add_deploy_parser(commands)
-    args = parser.parse_args(argv)
-    return args.handler(args)
+    return parser
 
 
 def _add_deploy_parser(commands) -> None:

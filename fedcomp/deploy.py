@@ -26,20 +26,26 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomli_w
 
 __all__ = [
     "Certificates",
     "flower_tool",
     "make_certificates",
+    "parse_address",
     "superlink_argv",
     "supernode_argv",
     "write_connection",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOST = re.compile(rf"^{_LABEL}(\.{_LABEL})*$")
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,9 @@ class Certificates:
 
     @property
     def ca_key(self) -> Path:
-        return self.folder / "ca.key"
+        """The CA's private key: kept apart from the folder whose files go to machines
+        (``<folder>-ca-private/ca.key``), for signing more certificates later."""
+        return self.folder.with_name(self.folder.name + "-ca-private") / "ca.key"
 
     @property
     def server_cert(self) -> Path:
@@ -223,27 +231,44 @@ def supernode_argv(certs: Certificates | None, node: int, *, superlink: str,
     return argv
 
 
+def parse_address(address: str) -> tuple[str, int]:
+    """``host:port`` (a DNS name, an IPv4 address or a bracketed IPv6 address) or
+    ``ValueError`` naming what is wrong."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be host:port with a port in 1-65535, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"address host {host!r} is not an IPv6 address") from None
+    elif not _HOST.match(host):
+        raise ValueError(f"address host must be a DNS name or an IP address, got {host!r}")
+    return host, int(port)
+
+
 def write_connection(flwr_home: str | Path, name: str, address: str,
                      certs: Certificates | None) -> Path:
     """Add (or replace) a ``[superlink.NAME]`` connection in ``FLWR_HOME/config.toml``.
 
     ``flwr run . NAME``, ``flwr supernode register ... NAME`` and ``flwr ls NAME`` use
-    it. With ``certs`` the CLI checks the SuperLink's certificate against our CA.
+    it. With ``certs`` the CLI checks the SuperLink's certificate against our CA. The
+    file is read and written with a TOML library (as Flower does), never edited as
+    text, and the address must be ``host:port``.
     """
     if not _NAME.match(name):
         raise ValueError(f"connection name must be letters, digits, '-', '_' or '.': {name!r}")
+    parse_address(address)
     path = Path(flwr_home) / "config.toml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = path.read_text() if path.exists() else ""
-    # Drop an older section of the same name (up to the next section header).
-    text = re.sub(rf"(?ms)^\[superlink\.{re.escape(name)}\]\n.*?(?=^\[|\Z)", "", text)
-    lines = [f"[superlink.{name}]", f'address = "{address}"']
+    config = tomllib.loads(path.read_text()) if path.exists() else {}
+    connection: dict[str, object] = {"address": address}
     if certs is None:
-        lines.append("insecure = true")
+        connection["insecure"] = True
     else:
-        lines.append(f'root-certificates = "{certs.ca_cert.resolve()}"')
-    path.write_text(text.rstrip("\n") + ("\n\n" if text.strip() else "")
-                    + "\n".join(lines) + "\n")
+        connection["root-certificates"] = str(certs.ca_cert.resolve())
+    config.setdefault("superlink", {})[name] = connection
+    path.write_text(tomli_w.dumps(config))
     return path
 
 

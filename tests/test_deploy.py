@@ -88,6 +88,42 @@ def test_connections_are_added_and_replaced_not_duplicated(tmp_path):
         write_connection(tmp_path, "bad name]", "x:1", None)
 
 
+@pytest.mark.parametrize("address", ['fl.example.org:8000"\ninsecure = true\nx = "',
+                                     "fl.example.org", "fl.example.org:0", "host:99999",
+                                     "a b:80", "[not-v6]:80", ":8000"])
+def test_a_connection_refuses_anything_but_host_port_and_leaves_the_file_alone(tmp_path,
+                                                                               address):
+    path = write_connection(tmp_path, "prod", "fl.example.org:8000", None)
+    before = path.read_text()
+    with pytest.raises(ValueError, match="address"):
+        write_connection(tmp_path, "prod", address, None)
+    assert path.read_text() == before
+    assert write_connection(tmp_path, "v6", "[::1]:8000", None).exists()
+
+
+def test_the_ca_private_key_is_not_in_the_folder_handed_to_machines(tmp_path):
+    certs = make_certificates(tmp_path / "certs", nodes=1)
+    assert certs.ca_key.exists() and certs.ca_key.parent != certs.folder
+    assert not any("BEGIN PRIVATE KEY" in p.read_text() and p.name.startswith("ca")
+                   for p in certs.folder.iterdir())
+
+
+def test_every_deploy_command_of_the_readme_parses_as_written():
+    """The README's `fedcomp deploy` lines go through the CLI's own parser."""
+    import shlex
+
+    from fedcomp.cli import build_parser
+
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip().startswith(".venv/bin/fedcomp deploy")]
+    assert len(lines) >= 6
+    parser = build_parser()
+    for line in lines:
+        argv = shlex.split(line.split("#")[0])[1:]
+        parser.parse_args(argv)  # SystemExit (exit 2) on an unknown or missing option
+
+
 def _read_csv(path: Path) -> list[dict[str, str]]:
     with path.open() as handle:
         return list(csv.DictReader(handle))
