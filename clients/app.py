@@ -28,9 +28,9 @@ from fedcomp.client_round import (
     state_file,
 )
 from fedcomp.config import RunConfig
-from fedcomp.data import load_partition
+from fedcomp.data import ArrayDataset, load_partition
 from fedcomp.downlink import Replica, ReplicaOutOfSync
-from fedcomp.faults import POISON_SCALE, InjectedFault, tamper
+from fedcomp.faults import INFLATED_EXAMPLES, POISON_SCALE, InjectedFault, tamper
 from fedcomp.flower import (
     downlink_from_record,
     load_client_state,
@@ -103,6 +103,11 @@ def train(msg: Message, context: Context) -> Message:
     partition_id = int(context.node_config["partition-id"])
     data = _load_data(cfg, context)
     fault = cfg.fault_plan.draw(server_round, partition_id)  # None unless fault-* > 0
+    attack = cfg.attack_plan.attack(partition_id, int(context.node_config["num-partitions"]))
+    if attack == "labelflip":
+        data = ArrayDataset(data.x, (9 - data.y) % 10)
+    scale = {"poison": POISON_SCALE}.get(fault) or {"scale": POISON_SCALE,
+                                                   "signflip": -1.0}.get(attack, 1.0)
     if fault == "dropout":
         raise InjectedFault(f"injected dropout (round {server_round}, partition {partition_id})")
     # State lives in context.state; with a node-config `state-dir` it is also kept on
@@ -118,7 +123,7 @@ def train(msg: Message, context: Context) -> Message:
                     if "outcomes" in msg.content else None)
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
                                   data, server_round=server_round, client_seed=partition_id,
-                                  delta_scale=POISON_SCALE if fault == "poison" else 1.0,
+                                  delta_scale=scale,
                                   clip_norm=None if clip_now is None else float(clip_now),
                                   outcomes=outcomes)
     except ReplicaOutOfSync:
@@ -131,9 +136,14 @@ def train(msg: Message, context: Context) -> Message:
         time.sleep(cfg.round_timeout + 1.0)
     elif fault in ("corrupt", "lie", "nonfinite", "stale"):
         payload = tamper(fault, payload, np.random.default_rng([server_round, partition_id]))
+    if attack == "fltmax":
+        payload = tamper(attack, payload, np.random.default_rng([server_round, partition_id]))
+    metrics = {**result.metrics, "state-from-file": float(from_file)}
+    if attack == "inflate" and "num-examples" in metrics:
+        metrics["num-examples"] = INFLATED_EXAMPLES
     content = RecordDict({
         "update": payload_to_record(payload),
-        "metrics": MetricRecord({**result.metrics, "state-from-file": float(from_file)}),
+        "metrics": MetricRecord(metrics),
         "replica": ConfigRecord({"digest": result.replica_digest}),
     })
     return Message(content=content, reply_to=msg)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fedcomp.errors import SpecError
-from fedcomp.faults import FAULT_KINDS, FaultPlan
+from fedcomp.faults import FAULT_KINDS, AttackPlan, FaultPlan
 from fedcomp.pipeline import Pipeline
 from fedcomp.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
 from fedcomp.privacy.subspace import RandomSubspace
@@ -113,6 +113,8 @@ class RunConfig:
     fault_poison: float = 0.0
     fault_stale: float = 0.0
     fault_seed: int = 0
+    attack: str = "none"
+    attack_fraction: float = 0.0
     dp: str = "none"
     dp_noise_multiplier: float = 1.0
     dp_clip_norm: float = 1.0
@@ -223,6 +225,10 @@ class RunConfig:
             self.fault_plan  # noqa: B018  (validates the fault probabilities)
         except ValueError as exc:
             raise SpecError(f"run config fault-*: {exc}") from None
+        try:
+            self.attack_plan  # noqa: B018
+        except ValueError as exc:
+            raise SpecError(f"run config 'attack' / 'attack-fraction': {exc}") from None
         overrides = []
         for name in ("codec_overrides", "downlink_codec_overrides"):
             try:
@@ -279,6 +285,11 @@ class RunConfig:
         if self.dp == "client":
             return {"norm_bound": 0.0, "weight_cap": 0.0}
         return {"norm_bound": self.norm_bound, "weight_cap": self.weight_cap}
+
+    @property
+    def attack_plan(self) -> AttackPlan:
+        """Which clients attack, and how (for experiments; none by default)."""
+        return AttackPlan(self.attack, self.attack_fraction, self.fault_seed)
 
     def subspace(self, server_round: int) -> RandomSubspace | None:
         """The round's shared random subspace (``shared-randk`` > 0), else None."""

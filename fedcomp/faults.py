@@ -17,6 +17,19 @@ nonfinite     re-frames its payload with NaN or Inf values     non-finite
 poison        sends a valid update scaled by 1e6               (norm bound)
 stale         re-frames its payload for the previous round     stale
 ============  ==============================================  ==================
+
+An :class:`AttackPlan` makes a fixed share of the clients (chosen from ``fault-seed``)
+attack in every round they train, one way for the whole run:
+
+============  ==================================================================
+attack        what an attacking client does
+============  ==================================================================
+signflip      sends its honest update negated
+scale         sends its honest update scaled by 1e6
+fltmax        sends a valid payload whose every float32 value is the float32 maximum
+inflate       claims 1e9 examples (its weight in the mean)
+labelflip     trains on labels ``9 - y``
+============  ==================================================================
 """
 
 from __future__ import annotations
@@ -30,10 +43,13 @@ import zstandard
 
 from fedcomp.fuzzing import assemble, split
 
-__all__ = ["FAULT_KINDS", "POISON_SCALE", "FaultPlan", "InjectedFault", "tamper"]
+__all__ = ["ATTACK_KINDS", "FAULT_KINDS", "INFLATED_EXAMPLES", "POISON_SCALE", "AttackPlan",
+           "FaultPlan", "InjectedFault", "tamper"]
 
 FAULT_KINDS = ("dropout", "straggler", "corrupt", "lie", "nonfinite", "poison", "stale")
+ATTACK_KINDS = ("none", "signflip", "scale", "fltmax", "inflate", "labelflip")
 POISON_SCALE = 1e6
+INFLATED_EXAMPLES = 1e9
 
 
 class InjectedFault(RuntimeError):
@@ -73,6 +89,34 @@ class FaultPlan:
         return None
 
 
+@dataclass(frozen=True)
+class AttackPlan:
+    """A fixed share of the clients attacks the same way in every round."""
+
+    kind: str = "none"
+    fraction: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ATTACK_KINDS:
+            raise ValueError(f"unknown attack {self.kind!r}; choose one of "
+                             f"{', '.join(ATTACK_KINDS)}")
+        if not 0.0 <= self.fraction < 1.0:
+            raise ValueError(f"attack fraction must be in [0, 1), got {self.fraction!r}")
+
+    def attackers(self, num_partitions: int) -> frozenset[int]:
+        """The attacking partitions: ``round(fraction * N)`` of them, from the seed."""
+        if self.kind == "none" or self.fraction == 0 or num_partitions < 1:
+            return frozenset()
+        count = round(self.fraction * num_partitions)
+        order = np.random.default_rng([self.seed, 0xA77AC]).permutation(num_partitions)
+        return frozenset(int(p) for p in order[:count])
+
+    def attack(self, partition_id: int, num_partitions: int) -> str | None:
+        """This client's attack, or None if it is honest."""
+        return self.kind if partition_id in self.attackers(num_partitions) else None
+
+
 def _first_node(tree: Any, codec: str | None = None) -> dict | None:
     if isinstance(tree, dict):
         if codec is None or tree.get("c") == codec:
@@ -94,7 +138,8 @@ def _leaves(tree: Any, out: list) -> list:
 
 
 def tamper(kind: str, payload: bytes, rng: np.random.Generator) -> bytes:
-    """Apply a payload fault (``corrupt``, ``lie``, ``nonfinite``, ``stale``)."""
+    """Apply a payload fault (``corrupt``, ``lie``, ``nonfinite``, ``stale``) or the
+    ``fltmax`` attack."""
     if kind == "corrupt":
         choice = int(rng.integers(3))
         if choice == 0:
@@ -108,6 +153,17 @@ def tamper(kind: str, payload: bytes, rng: np.random.Generator) -> bytes:
     if kind == "stale":
         header["meta"]["round"] = int(header["meta"].get("round", 0)) - 1
         return assemble(header, body)
+    if kind == "fltmax":
+        floats = bytearray(body)
+        offset = 0
+        for entry in header["tensors"]:
+            for dtype, count in _leaves(entry[3], []):
+                size = count * np.dtype(dtype).itemsize
+                if dtype == "<f4":
+                    floats[offset:offset + size] = np.full(
+                        count, np.finfo(np.float32).max, np.float32).tobytes()
+                offset += size
+        return assemble(header, bytes(floats))
     if kind == "nonfinite":
         offset, target = 0, None
         for entry in header["tensors"]:

@@ -72,3 +72,33 @@ def test_the_lie_fault_includes_a_zstd_bomb_that_is_rejected_cheaply():
         except PayloadError as exc:
             reasons.add(exc.reason)
     assert "zstd" in reasons
+
+
+def test_an_attack_plan_picks_a_fixed_share_of_the_partitions():
+    from fedcomp.faults import AttackPlan
+
+    plan = AttackPlan("signflip", 0.3, seed=7)
+    attackers = plan.attackers(10)
+    assert len(attackers) == 3 and attackers == plan.attackers(10)
+    assert [plan.attack(p, 10) for p in range(10)].count("signflip") == 3
+    assert AttackPlan().attackers(10) == frozenset()
+    with pytest.raises(ValueError, match="unknown attack"):
+        AttackPlan("ddos", 0.1)
+    with pytest.raises(ValueError, match="fraction"):
+        AttackPlan("scale", 1.0)
+
+
+def test_an_fltmax_payload_is_valid_and_every_float_is_the_maximum():
+    from fedcomp.faults import tamper
+    from fedcomp.policy import CompressionPolicy, encode_update
+    from fedcomp.wire import unpack_payload
+
+    policy = CompressionPolicy("topk:ratio=0.1")
+    shapes = {"w": (20, 30)}
+    rng = np.random.default_rng(0)
+    payload = encode_update({"w": rng.standard_normal((20, 30)).astype(np.float32)}, policy,
+                            rng=rng).payload
+    hostile = tamper("fltmax", payload, rng)
+    values = unpack_payload(hostile, expected=policy.expected(shapes)).tensors["w"]
+    assert np.count_nonzero(values) >= 60  # at least the Top-K values ...
+    assert (values[values != 0] == np.finfo(np.float32).max).all()  # ... all at the maximum

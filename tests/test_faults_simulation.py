@@ -126,3 +126,17 @@ def test_per_client_downlink_survives_dropouts_and_a_resumed_server(tmp_path):
         assert (sent > model_bytes) == full, (rnd, partition, sent, model_bytes)
         assert full or sent < model_bytes / 4
     assert expected_full >= 5 and len(replies) >= 12  # dropouts and the resume both hit
+
+
+def test_one_attacker_among_two_clients_cannot_break_the_model_under_the_defaults(tmp_path):
+    """Two replies a round: no median of their own, yet the default bounds hold."""
+    cfg = RunConfig(num_server_rounds=3, local_steps=2, local_epochs=0, attack_fraction=0.5,
+                    results_dir=str(tmp_path), run_name="clean")
+    clean, _ = simulate(cfg, num_supernodes=2)
+    for attack in ("fltmax", "scale", "inflate"):
+        summary, strategy = simulate(cfg.replace(attack=attack, run_name=attack),
+                                     num_supernodes=2)
+        assert summary["rounds_completed"] == 3
+        assert all(np.isfinite(v).all() for v in strategy.broadcaster.model.values())
+        # Bounded, not ignored: the model stays about as useful as the clean run's.
+        assert summary["final_accuracy"] >= clean["final_accuracy"] - 0.15, attack
