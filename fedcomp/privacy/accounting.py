@@ -38,9 +38,11 @@ ACCOUNTANTS = ("pld", "rdp")
 #: Renyi orders for the RDP accountant (Opacus' defaults).
 RDP_ORDERS = tuple([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)))
 
-#: Granularity of the PLD's privacy-loss grid: finer is tighter and slower. 1e-4 gives
-#: epsilon within 0.1% of 1e-5's in about a second for a few thousand steps.
-PLD_DISCRETIZATION = 1e-4
+#: Granularity of the PLD's privacy-loss grid: finer is tighter and slower. 1e-3 gives
+#: the same epsilon as 1e-4 to about 1e-4 (the estimate stays pessimistic: an upper
+#: bound) in 0.1 s instead of 1-2 s, which matters for a server that replays every
+#: client's DP-SGD accounting each round.
+PLD_DISCRETIZATION = 1e-3
 
 Event = tuple[float, float, int]
 
