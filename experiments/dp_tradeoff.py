@@ -49,6 +49,7 @@ from fedcomp.privacy.accounting import (  # noqa: E402
     noise_multiplier_for,
 )
 from fedcomp.sweep import Sweep, run_sweep  # noqa: E402
+from server.simulation import simulate_summary  # noqa: E402
 
 TOPK = "topk:ratio=0.01|quant:bits=4"
 DELTA = 1e-5
@@ -203,13 +204,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.toml").write_text(to_toml(sweep))
 
-    def runner(config, num_supernodes):
-        from server.simulation import simulate
-
-        summary, _ = simulate(config, num_supernodes=num_supernodes, verbose=False)
-        return summary
-
-    run_sweep(sweep, out, runner)
+    run_sweep(sweep, out, simulate_summary)
     rows = report(sweep, out, accounting)
     columns = sorted({key for r in rows for key in r}, key=lambda k: (k != "method", k))
     with open(out / "dp_tradeoff.csv", "w", newline="") as handle:

@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from fedcomp.cli import FLOWER_ENV  # noqa: E402
 from fedcomp.sweep import Sweep, run_sweep  # noqa: E402
+from server.simulation import simulate_summary  # noqa: E402
 
 ATTACKS = ["signflip", "scale", "fltmax", "inflate", "labelflip"]
 DEFENCES = {
@@ -133,14 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     sweep = build_sweep(args.dataset, args.defences, args.attacks, args.fractions, args.clients)
 
-    def runner(config, num_supernodes):
-        from server.simulation import simulate
-
-        summary, _ = simulate(config, num_supernodes=num_supernodes, verbose=False)
-        return summary
-
     args.out.mkdir(parents=True, exist_ok=True)
-    run_sweep(sweep, args.out, runner)
+    run_sweep(sweep, args.out, simulate_summary)
     rows = collect(sweep, args.out)
     columns = sorted({k for r in rows for k in r}, key=lambda k: (k not in ("defence",
                                                                            "scenario"), k))

@@ -232,10 +232,9 @@ def sweep(args: argparse.Namespace) -> int:
 
     def runner(config, num_supernodes):
         # Imported here: running simulations needs Flower, the sweep logic does not.
-        from server.simulation import simulate
+        from server.simulation import simulate_summary
 
-        summary, _ = simulate(config, num_supernodes=num_supernodes, verbose=args.verbose)
-        return summary
+        return simulate_summary(config, num_supernodes, verbose=args.verbose)
 
     for key, value in FLOWER_ENV.items():
         os.environ.setdefault(key, value)

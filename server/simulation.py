@@ -22,7 +22,7 @@ from fedcomp.cli import FLOWER_ENV
 from fedcomp.config import RunConfig
 from server.app import run_server
 
-__all__ = ["simulate"]
+__all__ = ["simulate", "simulate_summary"]
 
 
 def simulate(cfg: RunConfig, *, num_supernodes: int, client_app: ClientApp | None = None,
@@ -54,3 +54,10 @@ def simulate(cfg: RunConfig, *, num_supernodes: int, client_app: ClientApp | Non
     if "summary" not in outcome:
         raise RuntimeError("the ServerApp did not finish")
     return outcome["summary"], outcome["strategy"]
+
+
+def simulate_summary(cfg: RunConfig, num_supernodes: int, *, verbose: bool = False
+                     ) -> dict[str, Any]:
+    """One simulation's summary: the runner :func:`fedcomp.sweep.run_sweep` takes."""
+    summary, _ = simulate(cfg, num_supernodes=num_supernodes, verbose=verbose)
+    return summary
