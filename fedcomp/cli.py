@@ -267,6 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     return args.handler(args)
 
 
+def presets(args: argparse.Namespace) -> int:
+    from fedcomp.presets import describe
+
+    print(describe())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``fedcomp`` command line (every subcommand)."""
     parser = argparse.ArgumentParser(prog="fedcomp", description=__doc__.split("\n\n")[0])
@@ -301,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after each bytes-to-target table, the factors seed by seed "
                           "against the reference run of the same seed")
     rep.set_defaults(handler=report)
+    pre = commands.add_parser("presets", help="the named presets and their run-config keys")
+    pre.set_defaults(handler=presets)
     _add_deploy_parser(commands)
     return parser
 

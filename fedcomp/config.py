@@ -21,6 +21,8 @@ from fedcomp.errors import SpecError
 from fedcomp.faults import FAULT_KINDS, AttackPlan, FaultPlan
 from fedcomp.pipeline import Pipeline
 from fedcomp.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
+from fedcomp.presets import PRESETS
+from fedcomp.presets import expand as expand_presets
 from fedcomp.privacy.subspace import RandomSubspace
 from fedcomp.robust import AggregationRule, parse_rule
 from fedcomp.wire import ExpectedTensor
@@ -65,6 +67,7 @@ class RunConfig:
     """Settings of one federated run (defaults: the README's default simulation)."""
 
     num_server_rounds: int = 20
+    preset: str = ""
     dataset: str = "digits"
     data_dir: str = ""
     partitioning: str = "dirichlet"
@@ -152,6 +155,9 @@ class RunConfig:
                             "server would have to keep each client's EF21 estimate and "
                             "aggregate estimates, and it aggregates updates; use 'ef' or "
                             "'none'")
+        if self.preset and self.preset not in PRESETS:
+            raise SpecError(f"run config 'preset' = {self.preset!r} is not a preset; known: "
+                            f"{', '.join(PRESETS)}")
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise SpecError(f"run config {config_key(name)!r} must be one of "
@@ -246,6 +252,9 @@ class RunConfig:
         """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors."""
         by_key = {config_key(f.name): f.name for f in dataclasses.fields(cls)
                   if not f.name.startswith("_")}
+        values = expand_presets(values, {config_key(f.name): f.default
+                                         for f in dataclasses.fields(cls)
+                                         if not f.name.startswith("_")})
         unknown = sorted(set(values) - set(by_key))
         if unknown:
             raise SpecError(f"unknown run config key(s) {', '.join(map(repr, unknown))}; "
@@ -342,7 +351,7 @@ class RunConfig:
         """
         defaults = {**RunConfig().to_mapping(), **_DIGEST_BASELINE}
         settings = {k: v for k, v in self.to_mapping().items()
-                    if k not in ("run-name", "results-dir", "resume", "checkpoint",
+                    if k not in ("preset", "run-name", "results-dir", "resume", "checkpoint",
                                  "checkpoint-every", "save-model-every")
                     and v != defaults[k]}
         blob = json.dumps(settings, sort_keys=True).encode()

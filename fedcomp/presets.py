@@ -1,0 +1,139 @@
+"""Named presets: a method is one name, not a dozen run-config keys.
+
+``preset = "stc"`` in a run config (``--run-config``, ``make run RUN_CONFIG=...``, a
+sweep's ``[base]`` or ``[[method]]``, a deployment) stands for the settings listed
+here. Any key set alongside it wins over the preset's, so every setting stays
+overridable. Presets are expanded before the run id is computed, so a sweep written
+with a preset and one written with its keys give the same runs.
+
+Grouped settings read better as one spec string, as codecs do:
+``server-optimizer = "adam:lr=0.01,tau=1e-5"`` stands for ``server-optimizer = "adam"``,
+``server-lr = 0.01``, ``server-tau = 1e-5`` (parameters ``lr``, ``momentum``, ``beta1``,
+``beta2``, ``tau``, ``schedule``, ``lr-final``).
+
+``fedcomp presets`` lists them with their keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedcomp.errors import SpecError
+from fedcomp.spec import parse_spec
+
+__all__ = ["PRESETS", "Preset", "expand"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named group of run-config settings."""
+
+    description: str
+    settings: Mapping[str, Any]
+
+
+_STC = "topk:ratio=0.001|ternary:mode=mean"
+_PER_LAYER = "conv2.weight={spec}; fc2.weight={spec}"
+
+#: Every preset by name.
+PRESETS: dict[str, Preset] = {
+    "fedavg": Preset("FedAvg: the fp32 model delta, no error feedback",
+                     {"codec": "none", "feedback": "none"}),
+    "fedavg-average": Preset(
+        "FedAvg with an exponential moving average (0.9) of the server's models evaluated",
+        {"codec": "none", "feedback": "none", "server-average": 0.9}),
+    "fedadam": Preset("FedAdam (server lr 0.01) on the fp32 delta",
+                      {"codec": "none", "feedback": "none", "server-optimizer": "adam",
+                       "server-lr": 0.01}),
+    "fp16": Preset("half precision, no error feedback", {"codec": "fp16", "feedback": "none"}),
+    "8bit": Preset("8-bit uniform quantization (TFF's default), no error feedback",
+                   {"codec": "quant:bits=8", "feedback": "none"}),
+    "qsgd": Preset("QSGD with 16 levels, no error feedback",
+                   {"codec": "qsgd:levels=16", "feedback": "none"}),
+    "ef-signsgd": Preset("signSGD with error feedback", {"codec": "sign", "feedback": "ef"}),
+    "stc": Preset("Sparse Ternary Compression: Top-0.1% ternary with error feedback, both "
+                  "directions", {"codec": _STC, "feedback": "ef", "downlink-codec": _STC}),
+    "randk-ef": Preset("Random-1% with error feedback",
+                       {"codec": "randk:ratio=0.01", "feedback": "ef"}),
+    "lowrank-ef": Preset("rank-4 PowerSGD-style low-rank with error feedback",
+                         {"codec": "lowrank:rank=4|fp16", "feedback": "ef"}),
+    "top1-4bit-ef": Preset("Top-1% + 4-bit + error feedback (the run default)",
+                           {"codec": "topk:ratio=0.01|quant:bits=4", "feedback": "ef"}),
+    "fedcomp-best": Preset(
+        "the best fedcomp configuration on non-IID Fashion-MNIST: Top-0.5% ternary + EF "
+        "(conv2/fc2 Top-10%), 8-bit small tensors, FedAdam (tau 1e-5), a per-client Top-8% "
+        "4-bit downlink (conv2/fc2 Top-15%), an average of the server's models",
+        {"codec": "topk:ratio=0.005|ternary:mode=mean",
+         "codec-overrides": _PER_LAYER.format(spec="topk:ratio=0.1|ternary:mode=mean"),
+         "small-codec": "quant:bits=8", "feedback": "ef",
+         "downlink-codec": "topk:ratio=0.08|quant:bits=4",
+         "downlink-codec-overrides": _PER_LAYER.format(spec="topk:ratio=0.15|quant:bits=4"),
+         "downlink-mode": "per-client", "server-optimizer": "adam", "server-lr": 0.01,
+         "server-tau": 1e-5, "server-average": 0.9}),
+}
+
+#: ``server-optimizer`` spec parameters and the keys they stand for.
+_OPTIMIZER_PARAMS = {"lr": "server-lr", "momentum": "server-momentum",
+                     "beta1": "server-beta1", "beta2": "server-beta2", "tau": "server-tau",
+                     "schedule": "server-lr-schedule", "lr_final": "server-lr-final"}
+
+
+def _optimizer_spec(spec: str) -> dict[str, Any]:
+    """``"adam:lr=0.01,tau=1e-5"`` as run-config keys."""
+    try:
+        (config,) = parse_spec(spec.replace("lr-final", "lr_final"))
+    except (SpecError, ValueError) as exc:
+        raise SpecError(f"run config 'server-optimizer' {spec!r}: {exc}") from None
+    params = dict(config)
+    out: dict[str, Any] = {"server-optimizer": params.pop("id")}
+    for key, value in params.items():
+        if key not in _OPTIMIZER_PARAMS:
+            raise SpecError(f"run config 'server-optimizer' has no parameter {key!r}; known: "
+                            f"{', '.join(sorted(_OPTIMIZER_PARAMS))}")
+        out[_OPTIMIZER_PARAMS[key]] = value
+    return out
+
+
+def expand(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """Run-config ``values`` with ``preset`` and a ``server-optimizer`` spec expanded.
+
+    A preset's setting applies where ``values`` leaves the key out or at its default
+    (Flower hands a ClientApp or ServerApp every key, defaults included), so a key
+    set to anything else wins. A key given both inside a ``server-optimizer`` spec
+    and on its own (not at its default) is refused as ambiguous.
+
+    Raises
+    ------
+    fedcomp.errors.SpecError
+        For an unknown preset (naming the known ones) or a bad optimizer spec.
+    """
+    out = dict(values)
+    name = out.get("preset", "")
+    if name:
+        if not isinstance(name, str) or name not in PRESETS:
+            raise SpecError(f"run config 'preset' = {name!r} is not a preset; known: "
+                            f"{', '.join(PRESETS)} (`fedcomp presets` lists their keys)")
+        for key, value in PRESETS[name].settings.items():
+            if key not in values or values[key] == defaults.get(key):
+                out[key] = value
+    optimizer = out.get("server-optimizer")
+    if isinstance(optimizer, str) and ":" in optimizer:
+        grouped = _optimizer_spec(optimizer)
+        for key, value in grouped.items():
+            if key != "server-optimizer" and key in values and values[key] != defaults.get(
+                    key) and values[key] != value:
+                raise SpecError(f"run config {key!r} is given twice: {values[key]!r} on its "
+                                f"own and {value!r} in 'server-optimizer'")
+        out.update(grouped)
+    return out
+
+
+def describe() -> str:
+    """The presets and their keys, for ``fedcomp presets``."""
+    lines = []
+    for name, preset in PRESETS.items():
+        lines.append(f"{name}: {preset.description}")
+        lines += [f"    {key} = {value!r}" for key, value in preset.settings.items()]
+    return "\n".join(lines)

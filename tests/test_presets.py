@@ -1,0 +1,54 @@
+"""Presets and grouped settings: expanded before the run id, every key still overridable."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedcomp.config import RunConfig
+from fedcomp.errors import SpecError
+from fedcomp.presets import PRESETS
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_a_valid_run_config_with_the_run_id_of_its_keys(name):
+    by_name = RunConfig.from_mapping({"preset": name})
+    by_keys = RunConfig.from_mapping(dict(PRESETS[name].settings))
+    assert by_name.replace(preset="") == by_keys
+    assert by_name.digest() == by_keys.digest()
+
+
+def test_a_key_set_beside_a_preset_wins_and_defaults_do_not():
+    cfg = RunConfig.from_mapping({"preset": "stc", "feedback": "none"})
+    assert cfg.feedback == "none" and cfg.codec == PRESETS["stc"].settings["codec"]
+    # Flower hands apps every key, defaults included: a default does not undo a preset.
+    everything = {**RunConfig().to_mapping(), "preset": "fedavg"}
+    assert RunConfig.from_mapping(everything).codec == "none"
+    # Expanding twice (server, then client) changes nothing.
+    again = RunConfig.from_mapping(cfg.to_mapping())
+    assert again == cfg
+
+
+def test_an_unknown_preset_names_the_known_ones():
+    with pytest.raises(SpecError, match="'preset' = 'sct'.*stc"):
+        RunConfig.from_mapping({"preset": "sct"})
+
+
+def test_the_server_optimizer_takes_a_spec_string():
+    cfg = RunConfig.from_mapping({"server-optimizer": "adam:lr=0.01,tau=1e-5,beta2=0.999"})
+    assert (cfg.server_optimizer, cfg.server_lr, cfg.server_tau, cfg.server_beta2) == (
+        "adam", 0.01, 1e-5, 0.999)
+    assert cfg.digest() == RunConfig.from_mapping(
+        {"server-optimizer": "adam", "server-lr": 0.01, "server-tau": 1e-5,
+         "server-beta2": 0.999}).digest()
+    with pytest.raises(SpecError, match="'server-lr' is given twice"):
+        RunConfig.from_mapping({"server-optimizer": "adam:lr=0.01", "server-lr": 0.1})
+    with pytest.raises(SpecError, match="no parameter 'rho'"):
+        RunConfig.from_mapping({"server-optimizer": "adam:rho=0.1"})
+
+
+def test_fedcomp_presets_lists_every_preset_with_its_keys(capsys):
+    from fedcomp.cli import main
+
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name}: " in out for name in PRESETS) and "server-tau = 1e-05" in out
