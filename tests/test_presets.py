@@ -29,7 +29,7 @@ def test_a_key_set_beside_a_preset_wins_and_defaults_do_not():
 
 
 def test_an_unknown_preset_names_the_known_ones():
-    with pytest.raises(SpecError, match="'preset' = 'sct'.*stc"):
+    with pytest.raises(SpecError, match=r"'preset' = 'sct'.*stc"):
         RunConfig.from_mapping({"preset": "sct"})
 
 
