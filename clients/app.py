@@ -72,7 +72,7 @@ def query(msg: Message, context: Context) -> Message:
 def _load_data(cfg: RunConfig, context: Context):
     """This node's partition of the run's dataset."""
     return load_partition(
-        cfg.dataset, int(context.node_config["partition-id"]),
+        cfg.task_name, int(context.node_config["partition-id"]),
         int(context.node_config["num-partitions"]), scheme=cfg.partitioning,
         alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client, seed=cfg.seed,
         # A SuperNode names its own data location; the run config's is the fallback.
@@ -116,7 +116,7 @@ def train(msg: Message, context: Context) -> Message:
     if from_file:  # in the SuperNode's log: an operator sees the node carry on
         flwr_log(INFO, "fedcomp: partition %d resumed from state file %s in round %d",
                  partition_id, state_path, server_round)
-    state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.dataset))
+    state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.task_name))
     try:
         # What the server did with this node's recent updates (older servers: nothing).
         outcomes = (outcomes_from_record(msg.content["outcomes"])

@@ -54,13 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     defaults = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     overrides = parse_config_args([args.run_config]) if args.run_config else {}
     cfg = RunConfig.from_mapping({**defaults["config"], **overrides})
-    model = build_model(cfg.dataset, seed=cfg.seed)
+    model = build_model(cfg.task_name, seed=cfg.seed)
     server = Broadcaster(state_arrays(model), cfg.downlink_policy, seed=cfg.seed)
     optimizer = ServerOptimizer(cfg.server_optimizer, lr=cfg.server_lr,
                                 momentum=cfg.server_momentum)
     expected = cfg.uplink_policy.expected(server.shapes)
-    _, test = load_dataset(cfg.dataset, cfg.data_dir, cfg.test_fraction, cfg.seed)
-    data = [load_partition(cfg.dataset, i, args.clients, scheme=cfg.partitioning,
+    _, test = load_dataset(cfg.task_name, cfg.data_dir, cfg.test_fraction, cfg.seed)
+    data = [load_partition(cfg.task_name, i, args.clients, scheme=cfg.partitioning,
                            alpha=cfg.dirichlet_alpha, classes_per_client=cfg.classes_per_client,
                            seed=cfg.seed, data_dir=cfg.data_dir) for i in range(args.clients)]
     states = [ClientState.fresh(cfg) for _ in range(args.clients)]
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = {"train": 0.0, "uplink encode": 0.0, "uplink decode": 0.0,
               "downlink encode": 0.0, "downlink decode": 0.0, "round wall": 0.0}
     print(f"replaying {cfg.num_server_rounds} rounds x {args.clients} clients: "
-          f"{cfg.dataset}, codec {cfg.codec!r}, downlink {cfg.downlink_codec!r}", flush=True)
+          f"{cfg.task_name}, codec {cfg.codec!r}, downlink {cfg.downlink_codec!r}", flush=True)
     accuracy = float("nan")
     for server_round in range(1, cfg.num_server_rounds + 1):
         round_start = time.perf_counter()

@@ -69,7 +69,7 @@ EPSILONS = {"sample": [1.0, 4.0, 8.0], "client": [4.0, 8.0]}
 def sample_level_plan(base: dict, clients: int) -> tuple[float, int]:
     """The most exposed client's DP-SGD (rate, steps over the run): the smallest one."""
     cfg = RunConfig.from_mapping(base)
-    smallest = min(len(load_partition(cfg.dataset, i, clients, scheme=cfg.partitioning,
+    smallest = min(len(load_partition(cfg.task_name, i, clients, scheme=cfg.partitioning,
                                       alpha=cfg.dirichlet_alpha, seed=cfg.seed).y)
                    for i in range(clients))
     rate, steps = dp_sgd_plan(smallest, batch_size=cfg.batch_size, epochs=cfg.local_epochs,

@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> np.ndarray:
                     local_epochs=1, lr=0.05, momentum=0.9,
                     codec="topk:ratio=0.003|quant:bits=4", small_codec="fp16", feedback="ef",
                     downlink_codec="topk:ratio=0.005|quant:bits=4")
-    shapes = model_shapes(cfg.dataset)
-    server = Broadcaster(state_arrays(build_model(cfg.dataset, seed=cfg.seed)),
+    shapes = model_shapes(cfg.task_name)
+    server = Broadcaster(state_arrays(build_model(cfg.task_name, seed=cfg.seed)),
                          cfg.downlink_policy)
     states = {p: ClientState.fresh(cfg) for p in range(args.clients)}
     data: dict[int, object] = {}
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> np.ndarray:
         for partition in (int(p) for p in rng.choice(args.clients, args.per_round,
                                                      replace=False)):
             if partition not in data:
-                data[partition] = load_partition(cfg.dataset, partition, args.clients,
+                data[partition] = load_partition(cfg.task_name, partition, args.clients,
                                                  scheme="dirichlet", alpha=0.3, seed=cfg.seed)
             state = states[partition]
             message = server.message_for(state.replica.round or 0)

@@ -36,7 +36,8 @@ from fedcomp.policy import EncodedUpdate, encode_update
 from fedcomp.privacy import PrivacyAccountant, clip_update, noise_source, update_norm
 from fedcomp.privacy.accounting import dp_sgd_plan
 from fedcomp.privacy.release import released_client_metrics
-from fedcomp.training import state_arrays, train
+from fedcomp.tasks import get_task
+from fedcomp.training import state_arrays
 from fedcomp.wire import unpack_payload
 
 __all__ = ["ClientResult", "ClientState", "encode_delta", "load_state_file", "model_shapes",
@@ -301,11 +302,11 @@ def run_client_round(
         If a downlink payload is invalid.
     """
     torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
-    shapes = model_shapes(cfg.dataset)
+    shapes = model_shapes(cfg.task_name)
     # Built once: its round-0 weights seed an empty replica (shared-init), or a
     # per-client catch-up the server sends from round 0 (a node it has not seen, such
     # as a restarted one), then it takes the replica's weights for training.
-    model = build_model(cfg.dataset, seed=cfg.seed)
+    model = build_model(cfg.task_name, seed=cfg.seed)
     sync_start = time.perf_counter()
     initial = (state_arrays(model) if cfg.shared_init and (
         state.replica.model is None or message.kind == "catchup") else None)
@@ -337,9 +338,10 @@ def run_client_round(
         # The server replays these in its own accountant (SampleLevelBudget).
         dp_metrics.update({"dp-sample-rate": rate, "dp-steps": float(steps_taken)})
     else:
-        loss = train(model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
-                     batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-                     proximal_mu=cfg.proximal_mu, seed=train_seed)
+        loss = get_task(cfg.task_name).train(
+            model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
+            batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+            proximal_mu=cfg.proximal_mu, seed=train_seed)
     train_s = time.perf_counter() - start
     after = state_arrays(model)
     delta = {k: after[k] - v for k, v in state.replica.model.items()}

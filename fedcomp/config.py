@@ -30,7 +30,7 @@ from fedcomp.wire import ExpectedTensor
 __all__ = ["RunConfig", "config_key"]
 
 _CHOICES = {
-    "dataset": ("digits", "fashion-mnist"),
+    "dataset": ("digits", "fashion-mnist", "mnist1d"),
     "partitioning": ("iid", "dirichlet", "pathological"),
     # EF21 (fedcomp.feedback.EF21) stays a library memory: a run would need the
     # server to keep every client's estimate and aggregate estimates, not updates.
@@ -69,6 +69,7 @@ class RunConfig:
     num_server_rounds: int = 20
     preset: str = ""
     dataset: str = "digits"
+    task: str = ""
     data_dir: str = ""
     partitioning: str = "dirichlet"
     dirichlet_alpha: float = 0.5
@@ -155,6 +156,10 @@ class RunConfig:
                             "server would have to keep each client's EF21 estimate and "
                             "aggregate estimates, and it aggregates updates; use 'ef' or "
                             "'none'")
+        if self.task and "." not in self.task and self.task not in _CHOICES["dataset"]:
+            raise SpecError(f"run config 'task' must be one of fedcomp's tasks "
+                            f"({', '.join(_CHOICES['dataset'])}) or a module path such as "
+                            f"'mypackage.task', got {self.task!r}")
         if self.preset and self.preset not in PRESETS:
             raise SpecError(f"run config 'preset' = {self.preset!r} is not a preset; known: "
                             f"{', '.join(PRESETS)}")
@@ -284,6 +289,11 @@ class RunConfig:
                          seed=self.fault_seed)
 
     @property
+    def task_name(self) -> str:
+        """The task the run trains: ``task`` if set, else the built-in ``dataset``."""
+        return self.task or self.dataset
+
+    @property
     def aggregation_rule(self) -> AggregationRule:
         """The parsed ``aggregation`` rule."""
         return parse_rule(self.aggregation)
@@ -359,4 +369,4 @@ class RunConfig:
 
     @property
     def resolved_run_name(self) -> str:
-        return self.run_name or f"{self.dataset}-{self.digest()}"
+        return self.run_name or f"{self.task_name.replace('.', '-')}-{self.digest()}"

@@ -1,5 +1,8 @@
 """Datasets that need no network, and their federated partitions.
 
+The readers of fedcomp's own datasets; each task (:mod:`fedcomp.tasks`) says which
+it uses, and :func:`load_partition` splits any task's training set among clients.
+
 * ``digits``: scikit-learn's 1,797 real 8x8 digits (inside its wheel), split into
   train and test by a seeded stratified shuffle.
 * ``fashion-mnist``: the standard IDX ``.gz`` files (60k train, 10k test), by default
@@ -29,6 +32,7 @@ __all__ = [
     "dirichlet_clients",
     "load_dataset",
     "load_digits",
+    "load_digits_split",
     "load_fashion_mnist",
     "load_partition",
     "partition_indices",
@@ -44,7 +48,7 @@ _FASHION_FILES = {
 
 @dataclass(frozen=True)
 class ArrayDataset:
-    """Images (N, 1, H, W) float32 in [0, 1] and labels (N,) int64."""
+    """Features (N, ...) float32 and labels (N,) int64 class indices."""
 
     x: np.ndarray
     y: np.ndarray
@@ -114,14 +118,9 @@ def load_fashion_mnist(data_dir: str = "") -> tuple[ArrayDataset, ArrayDataset]:
     return splits[0], splits[1]
 
 
-@functools.lru_cache(maxsize=4)
-def load_dataset(name: str, data_dir: str = "", test_fraction: float = 0.2,
-                 seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
-    """(train, test) of a dataset by name; digits is split with a seeded shuffle."""
-    if name == "fashion-mnist":
-        return load_fashion_mnist(data_dir)
-    if name != "digits":
-        raise ValueError(f"unknown dataset {name!r}; choose digits or fashion-mnist")
+def load_digits_split(test_fraction: float = 0.2, seed: int = 0
+                      ) -> tuple[ArrayDataset, ArrayDataset]:
+    """Digits split into (train, test) by a seeded, stratified shuffle."""
     data = load_digits()
     rng = np.random.default_rng(seed)
     test_idx = []
@@ -132,6 +131,14 @@ def load_dataset(name: str, data_dir: str = "", test_fraction: float = 0.2,
     test_mask = np.zeros(len(data), dtype=bool)
     test_mask[np.concatenate(test_idx)] = True
     return data.subset(np.flatnonzero(~test_mask)), data.subset(np.flatnonzero(test_mask))
+
+
+def load_dataset(name: str, data_dir: str = "", test_fraction: float = 0.2,
+                 seed: int = 0) -> tuple[ArrayDataset, ArrayDataset]:
+    """(train, test) of a task by name (:mod:`fedcomp.tasks`), cached per process."""
+    from fedcomp.tasks import get_task
+
+    return get_task(name).load_data(data_dir, test_fraction, seed)
 
 
 @functools.lru_cache(maxsize=8)

@@ -434,13 +434,13 @@ def encoder_of(config: RunConfig) -> str:
     Keyed by the dataset and the policies' descriptions, which name everything that
     shapes their payloads (specs, overrides, the small-tensor threshold).
     """
-    key = (config.dataset, config.uplink_policy.description,
+    key = (config.task_name, config.uplink_policy.description,
            config.downlink_policy.description)
     if key not in _ENCODERS:
         # Imported here: the report's tables need no torch model, the fingerprint does.
         from fedcomp.client_round import model_shapes
 
-        _ENCODERS[key] = config.encoder_fingerprint(model_shapes(config.dataset))
+        _ENCODERS[key] = config.encoder_fingerprint(model_shapes(config.task_name))
     return _ENCODERS[key]
 
 

@@ -19,10 +19,9 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.checkpoint import load_checkpoint, save_checkpoint, save_model
 from fedcomp.config import RunConfig
-from fedcomp.data import load_dataset
-from fedcomp.models import build_model
 from fedcomp.results import RunRecorder
-from fedcomp.training import evaluate, state_arrays
+from fedcomp.tasks import Task, check_task
+from fedcomp.training import state_arrays
 from strategies.compressed import CompressedFedAvg
 
 log = logging.getLogger(__name__)
@@ -53,9 +52,11 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
     server that dies).
     """
     torch.set_num_threads(1)
-    model = build_model(cfg.dataset, seed=cfg.seed)
+    # A task that lacks something stops the run here, before round 1, naming it.
+    task = check_task(cfg.task_name, cfg.data_dir, cfg.test_fraction, cfg.seed)
+    model = task.build_model(cfg.seed)
     initial = state_arrays(model)
-    _, test = load_dataset(cfg.dataset, cfg.data_dir, cfg.test_fraction, cfg.seed)
+    _, test = task.load_data(cfg.data_dir, cfg.test_fraction, cfg.seed)
     strategy = CompressedFedAvg(cfg, initial)
     out_dir = Path(cfg.results_dir) / cfg.resolved_run_name
     recorder = RunRecorder(out_dir, cfg.describe(),
@@ -65,7 +66,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
     checkpoint_path = out_dir / "checkpoint.npz"
     done = _resume(cfg, checkpoint_path, strategy, recorder) if cfg.resume else 0
     if verbose:
-        print(f"fedcomp: {cfg.dataset}, {cfg.num_server_rounds} rounds, uplink "
+        print(f"fedcomp: {cfg.task_name}, {cfg.num_server_rounds} rounds, uplink "
               f"{cfg.codec!r}, downlink {cfg.downlink_codec!r}, feedback {cfg.feedback}; "
               f"results in {recorder.out_dir}"
               + (f"; resuming after round {done}" if done else ""), flush=True)
@@ -81,9 +82,9 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
                 or (flower_round == 0 and not done)):
             # The clients are idle while the server evaluates: use every core.
             torch.set_num_threads(os.cpu_count() or 1)
-            accuracy, loss = _evaluate(model, strategy.evaluated_model(), test)
+            accuracy, loss = _evaluate(task, model, strategy.evaluated_model(), test)
             if strategy.average is not None:
-                raw_accuracy, _ = _evaluate(model, strategy.broadcaster.model, test)
+                raw_accuracy, _ = _evaluate(task, model, strategy.broadcaster.model, test)
             torch.set_num_threads(1)
         if flower_round == 0:
             if not done:
@@ -139,12 +140,12 @@ def _save_models(cfg: RunConfig, out_dir: Path, server_round: int,
         save_model(stem.with_suffix(".average.npz"), strategy.average.value)
 
 
-def _evaluate(model: torch.nn.Module, arrays: dict[str, Any], test: Any
+def _evaluate(task: Task, model: torch.nn.Module, arrays: dict[str, Any], test: Any
               ) -> tuple[float, float]:
     """Test accuracy and loss of ``arrays`` (loaded into ``model``)."""
     model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
     with torch.inference_mode():
-        return evaluate(model, test.x, test.y)
+        return task.evaluate(model, test.x, test.y)
 
 
 def _resume(cfg: RunConfig, path: Path, strategy: CompressedFedAvg,
