@@ -49,7 +49,7 @@ def test_a_user_task_module_runs_and_a_broken_one_stops_before_round_one(tmp_pat
                         results_dir=str(tmp_path), run_name="good")
         summary, _ = _simulate(cfg)
         assert summary["rounds_completed"] == 2 and summary["uplink_bytes"] > 0
-        with pytest.raises(Exception, match="'mytasks.bad' lacks Net"):
+        with pytest.raises(Exception, match=r"'mytasks.bad' lacks Net"):
             _simulate(cfg.replace(task="mytasks.bad", run_name="bad"))
         assert not (tmp_path / "bad" / "rounds.csv").exists()
     finally:

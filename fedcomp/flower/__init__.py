@@ -1,4 +1,8 @@
-"""The only module of ``fedcomp`` that imports Flower: conversions to Flower records.
+"""The only package of ``fedcomp`` that imports Flower: records, and fedcomp for any app.
+
+Conversions between fedcomp's objects and Flower records live here; the mod and
+strategy wrapper that bring fedcomp's compression to any Flower app live in
+:mod:`fedcomp.flower.interop` and are re-exported.
 
 Keeping Flower out of the rest of the library lets every codec, the wire format and
 the feedback memories be tested without Flower running, and confines API changes of
@@ -19,6 +23,8 @@ from fedcomp.replies import ReplyError, parse_digest
 __all__ = [
     "PAYLOAD_KEY",
     "STATE_PREFIX",
+    "CompressedUplink",
+    "compression_mod",
     "downlink_from_record",
     "downlink_to_record",
     "load_client_state",
@@ -142,3 +148,6 @@ def load_client_state(state: RecordDict) -> dict[str, dict[str, np.ndarray]]:
     return {key[len(STATE_PREFIX):]: record_to_state(record)
             for key, record in state.items()
             if key.startswith(STATE_PREFIX) and isinstance(record, ArrayRecord)}
+
+
+from fedcomp.flower.interop import CompressedUplink, compression_mod  # noqa: E402

@@ -1,0 +1,1 @@
+"""Flower's PyTorch quickstart on scikit-learn's digits, with fedcomp compression."""
