@@ -253,7 +253,7 @@ def report(args: argparse.Namespace) -> int:
     try:
         table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,
                                     args.reference, fingerprint=current_encoder,
-                                    paired=args.paired)
+                                    paired=args.paired, plot_methods=args.plot_method)
     except ValueError as exc:  # a reference that is not there, no FedAvg to pair with
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -307,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--paired", action="store_true",
                      help="after each bytes-to-target table, the factors seed by seed "
                           "against the reference run of the same seed")
+    rep.add_argument("--plot-method", action="append", default=[], metavar="METHOD",
+                     help="a method the plots draw (repeatable; default: every method)")
     rep.set_defaults(handler=report)
     pre = commands.add_parser("presets", help="the named presets and their run-config keys")
     pre.set_defaults(handler=presets)

@@ -318,6 +318,29 @@ def format_accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]
     return "\n".join(lines)
 
 
+#: Line styles and markers that stay apart in grey print and for colour-blind readers.
+_DASHES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _line_style(index: int) -> dict[str, Any]:
+    """The index-th method's colour, dash and marker: no two of the first 40 alike."""
+    return {"color": f"C{index % 10}", "ls": _DASHES[(index // 10 + index) % 4],
+            "marker": _MARKERS[index % 8], "markevery": 0.1, "markersize": 4}
+
+
+def select_methods(methods: list[MethodResult], names: Sequence[str]) -> list[MethodResult]:
+    """The methods named, in the order named (all of them when ``names`` is empty)."""
+    if not names:
+        return methods
+    by_name = {m.method: m for m in methods}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"no method named {', '.join(map(repr, missing))} in these runs; "
+                         f"there are: {', '.join(map(repr, by_name))}")
+    return [by_name[n] for n in names]
+
+
 def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list[Path]:
     """Write the two PNG plots; return their paths."""
     import matplotlib
@@ -335,8 +358,7 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
             length = min(len(r.rounds) for r in m.runs)
             if length == 0:
                 continue
-            # Ten colours, then the same colours dashed, then dotted: no two alike.
-            style = {"color": f"C{index % 10}", "ls": ("-", "--", ":")[index // 10 % 3]}
+            style = _line_style(index)
             # Rounds without an evaluation (eval-every > 1) have no accuracy: skip them.
             evaluated = [i for i in range(length)
                          if all(math.isfinite(r.rounds[i]["accuracy"]) for r in m.runs)]
@@ -449,7 +471,8 @@ def write_report(out_dir: str | Path, target: float | None = None,
                  at_rounds: Sequence[int] = (),
                  reference: str | None = None,
                  fingerprint: Callable[[Mapping[str, Any]], str] | None = None,
-                 paired: bool = False) -> tuple[str, list[Path]]:
+                 paired: bool = False,
+                 plot_methods: Sequence[str] = ()) -> tuple[str, list[Path]]:
     """Build the report of a sweep folder; write report.md and the plots.
 
     ``target`` (default: plain FedAvg's mean best accuracy minus one point) draws the
@@ -459,6 +482,8 @@ def write_report(out_dir: str | Path, target: float | None = None,
     ``fingerprint`` (e.g. :func:`current_encoder`) checks each run's recorded encoder
     against this code's (see :func:`encoder_note`). ``paired`` follows each
     bytes-to-target table with its seed-by-seed factors (:func:`format_paired_table`).
+    ``plot_methods`` names the methods the plots draw (default: all), since a plot of
+    more than about eight lines cannot be read.
     """
     out = Path(out_dir)
     runs = load_runs(out)
@@ -476,7 +501,7 @@ def write_report(out_dir: str | Path, target: float | None = None,
                       + format_accuracy_at_rounds(methods, at_rounds))
     note = encoder_note(runs, fingerprint)
     table = "\n\n".join(([note] if note else []) + tables)
-    paths = plot_runs(methods, out, target)
+    paths = plot_runs(select_methods(methods, plot_methods), out, target)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(
         f"![{p.stem}]({p.name})" for p in paths) + "\n")
     return table, paths
