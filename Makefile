@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # Flower phones home and installs dependencies at run time unless told not to
-# (../shared/FLOWER_NOTES.md); these hold for every command below.
+# (telemetry, update checks, run-time installs); these hold for every command below.
 export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1

@@ -143,7 +143,7 @@ def report(sweep: Sweep, out: Path, accounting: dict) -> list[dict]:
         name = run.values["method"]
         path = out / run.run_id / "summary.json"
         if not path.exists():
-            rows.append({"method": name, "status": "failed"})
+            rows.append({"method": name, "status": "not run"})
             continue
         summary = json.loads(path.read_text())
         per_update = bytes_per_update(out / run.run_id)
@@ -180,7 +180,7 @@ def print_table(rows: list[dict]) -> None:
           "\n|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["status"] != "ok":
-            print(f"| {r['method']} | failed |" + " |" * 10)
+            print(f"| {r['method']} | {r['status']} |" + " |" * 10)
             continue
         print(f"| {r['method']} | {f(r.get('sigma'), '.3f')} | {f(r.get('epsilon_pld'), '.2f')}"
               f" | {f(r.get('epsilon_rdp_same_sigma'), '.2f')} | "
@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--epsilons", type=float, nargs="+")
     parser.add_argument("--clients", type=int)
+    parser.add_argument("--report-only", action="store_true",
+                        help="tabulate the runs already in OUT; run nothing")
     args = parser.parse_args()
     for key, value in FLOWER_ENV.items():
         os.environ.setdefault(key, value)
@@ -202,9 +204,9 @@ def main() -> None:
     sweep, accounting = build_sweep(args.part, args.epsilons or EPSILONS[args.part], clients)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.toml").write_text(to_toml(sweep))
-
-    run_sweep(sweep, out, simulate_summary)
+    if not args.report_only:
+        (out / "sweep.toml").write_text(to_toml(sweep))
+        run_sweep(sweep, out, simulate_summary)
     rows = report(sweep, out, accounting)
     columns = sorted({key for r in rows for key in r}, key=lambda k: (k != "method", k))
     with open(out / "dp_tradeoff.csv", "w", newline="") as handle:

@@ -3,7 +3,7 @@
 Why: with 10 of 100 non-IID clients a round, each round's model leans toward the
 clients just drawn, and a sparse uplink adds its own round-to-round noise; the test
 accuracy of consecutive evaluations (5 rounds apart) differs by up to 2 points in the
-headline setting (experiments/RESULTS.md, "Server-side model averaging"). Averaging
+headline setting (experiments/RESULTS.md). Averaging
 the iterates (Polyak and Juditsky, 1992; in federated learning the server-side SWA of
 Caldarola et al., 2022, "Improving Generalization in Federated Learning by Seeking
 Flat Minima") averages over the clients drawn in recent rounds as well as over the

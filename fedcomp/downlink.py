@@ -28,8 +28,7 @@ sampled, so the difference is each client's own error feedback, and a message co
 the same however many rounds the client missed. The price is memory on the server
 (one model per client) and that clients train from slightly different models. In the
 headline benchmark, at the same bytes, it closed 62-82% of the gap between the shared
-compressed downlink and the full model (experiments/RESULTS.md, "The per-client
-downlink in Flower").
+compressed downlink and the full model.
 Each message names the digest of the replica it applies to, so a client whose replica
 differs (a lost message, a restarted node) refuses it and gets the full model.
 """

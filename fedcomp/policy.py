@@ -9,7 +9,7 @@ One ratio for every large tensor is not what a model needs either. A convolution
 weights are few but applied at every pixel: with Top-0.3% everywhere the 28x28 CNN's
 ``conv2.weight`` (18,432 weights) sends 55 values a round and its ``fc1.weight``
 (401,408) sends 1,204, and the convolution starves (experiments/RESULTS.md,
-"Per-layer budgets"). ``overrides`` give named tensors their own pipeline, chosen by
+"What the result rests on"). ``overrides`` give named tensors their own pipeline, chosen by
 shell-style patterns on the tensor name, first match wins, like TFF's per-tensor
 encoders or DGC's layer-wise ratios.
 """

@@ -10,7 +10,7 @@ groups runs into *methods* (all grid values but the seed), and writes:
   accuracy of the plain FedAvg runs minus one point), the cumulative uplink and
   total bytes at the first round each method reaches it, and the factor against
   plain FedAvg. Means and spread (min-max) over seeds. More targets can be added
-  (``--extra-target``): one tool writes every table of ``experiments/RESULTS.md``;
+  (``--extra-target``): the headline tables of ``experiments/RESULTS.md`` come from it;
 * a whole-run table: final and best accuracy, and bytes per round, uplink and total,
   with their factor against plain FedAvg (the per-round compression, which a
   bytes-to-target factor divides by the ratio of rounds each method needed);

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Flower phones home and installs dependencies at run time unless told not to
-# (../shared/FLOWER_NOTES.md). Set before anything imports flwr; fedcomp.cli keeps the
+# (telemetry, update checks). Set before anything imports flwr; fedcomp.cli keeps the
 # one list of these variables and imports no Flower itself.
 from fedcomp.cli import FLOWER_ENV
 

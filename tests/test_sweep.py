@@ -78,11 +78,11 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
     with pytest.raises(SpecError, match="set by the sweep itself"):
         Sweep(base={"run-name": "x"}, grid={})
     assert len(Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs) == 46  # 23 x 2
-    local = Sweep.load(ROOT / "experiments/sweeps/local_epochs.toml").runs
-    assert len(local) == 8
-    # Its 1-epoch FedAvg is the headline's run: same config, same id, so it is reused.
+    held_out = Sweep.load(ROOT / "experiments/sweeps/held_out_seeds.toml").runs
+    assert len(held_out) == 8
+    # Its seeds 0 and 1 are the headline's runs (saving models is not part of the id).
     headline_ids = {r.run_id for r in Sweep.load(ROOT / "experiments/sweeps/headline.toml").runs}
-    assert {r.run_id for r in local if r.values["method"] == "FedAvg fp32"} <= headline_ids
+    assert {r.run_id for r in held_out if r.values["seed"] in (0, 1)} <= headline_ids
 
 
 def test_an_interrupted_sweep_reruns_only_the_missing_runs(tmp_path):
@@ -168,6 +168,22 @@ def test_report_computes_factors_against_the_uncompressed_runs_and_draws_plots(t
     assert sign_row.split("|")[7].strip() == "13.3"  # to 0.8: 2000 (round 2) vs 150 (round 3)
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
     assert json.loads((tmp_path / "sweep.json").read_text())["columns"] == ["codec", "seed"]
+
+
+def test_the_plots_draw_only_the_methods_named_each_in_its_own_style(tmp_path):
+    from fedcomp.report import _line_style, select_methods
+
+    run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda m: None)
+    _, methods = build_report(load_runs(tmp_path), 0.8)
+    assert [m.method for m in select_methods(methods, ["codec=sign"])] == ["codec=sign"]
+    assert select_methods(methods, []) == methods
+    with pytest.raises(ValueError, match=r"no method named 'fedavg'.*codec=none"):
+        select_methods(methods, ["fedavg"])
+    _, paths = write_report(tmp_path, target=0.8, plot_methods=["codec=none"])
+    assert all(p.exists() for p in paths)
+    styles = {tuple(sorted((k, str(v)) for k, v in _line_style(i).items()
+                           if k in ("color", "ls"))) for i in range(40)}
+    assert len(styles) == 40
 
 
 def test_complete_runs_from_another_encoder_are_reported_not_rerun(tmp_path):
@@ -415,3 +431,23 @@ def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp
 
     assert main(["report", str(tmp_path), "--paired", "--reference", "FedAvg fp16"]) == 2
     assert "'FedAvg fp16' is not in this sweep" in capsys.readouterr().err
+
+
+#: Committed run folders (experiments/runs/) and the sweep files that make them.
+COMMITTED_RUNS = {"headline": "headline", "held-out-seeds": "held_out_seeds",
+                  "dp-sample": "dp_sample", "dp-client": "dp_client", "mnist1d": "mnist1d"}
+
+
+@pytest.mark.parametrize("folder", sorted(COMMITTED_RUNS))
+def test_committed_runs_are_what_their_sweep_file_makes(folder):
+    """The results page cites these runs: each is a run its sweep file would make (same
+    settings, same id), so rerunning the sweep into a copy of the folder skips them."""
+    runs_dir = ROOT / "experiments/runs" / folder
+    if not runs_dir.exists():
+        pytest.skip(f"{folder} has no committed runs")
+    sweep = Sweep.load(ROOT / "experiments/sweeps" / f"{COMMITTED_RUNS[folder]}.toml")
+    committed = {p.name for p in runs_dir.glob("r-*")}
+    assert committed and committed <= {r.run_id for r in sweep.runs}
+    for run_id in committed:
+        assert (runs_dir / run_id / "rounds.csv").exists()
+        assert (runs_dir / run_id / "summary.json").exists()

@@ -20,7 +20,7 @@ sizes computed before encoding:
     A model update's large entries crowd into the rows of the units whose output
     gradient was large, so per-row densities differ by orders of magnitude and one
     tensor-wide parameter wastes bits. Measured on Fashion-MNIST clients' 1-epoch
-    updates (experiments/RESULTS.md): ``fc1.weight`` (128 x 3136) at Top-1% costs
+    updates: ``fc1.weight`` (128 x 3136) at Top-1% costs
     about 6.4 bits per index instead of 8.4 with ``rice``, ``conv2.weight`` at Top-10%
     about 4.4 instead of 4.9. On uniformly random positions the counts cost more than
     they save and ``rice`` is chosen.
