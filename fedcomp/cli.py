@@ -18,8 +18,10 @@ back, so the table appears once).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -95,7 +97,8 @@ def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
         return 1
     run_id = str(started["run-id"])
     print(f"fedcomp: started Flower run {run_id} ({where})", flush=True)
-    held_table = _stream(run_id, args.connection, env)
+    held_table, quiet_tail = _stream(run_id, args.connection, env,
+                                     verbose=getattr(args, "verbose", False))
     status = ""
     for _ in range(60):  # the log stream can end a moment before the status is final
         listing = _run_json([flwr, "ls", args.connection, "--run-id", run_id,
@@ -105,6 +108,8 @@ def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
             break
         time.sleep(1)
     if status != "finished:completed":
+        if quiet_tail:
+            print("fedcomp: the last lines of Flower's log:\n" + "\n".join(quiet_tail))
         if held_table:
             print("\n".join(held_table))
         print(f"error: Flower run {run_id} ended with status {status!r}; see the log above",
@@ -157,20 +162,65 @@ class _TableFilter:
         return []
 
 
-def _stream(run_id: str, connection: str, env: dict[str, str]) -> list[str]:
-    """Echo the run's log as Flower streams it, less the ServerApp's summary table.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-    Returns the lines held back (the table's block), for the caller to show if it
-    has no ``summary.json`` to print the table from.
+#: Flower's messages that every fedcomp simulation triggers and that ask nothing of
+#: the user (the federation size is fedcomp's --num-supernodes; fedcomp evaluates on
+#: the server, not on clients).
+_EXPECTED_WARNINGS = ("default simulated SuperNodes changed",
+                      "fraction_evaluate is set to 0.0", "This is a deprecated feature",
+                      "entirely in future versions", "Manually terminating ClientAppActor")
+
+
+class _QuietLog:
+    """Shows fedcomp's own lines of a Flower log and Flower's warnings and errors.
+
+    A simulation's log holds every Flower INFO line (coloured, several per round) and
+    fedcomp's one ``[round ...]`` line per round; a user wants the latter. Flower's
+    WARNING and ERROR lines and anything that is not a Flower log line (tracebacks,
+    ``print`` output) still show, less the warnings fedcomp's own setup triggers. The
+    last lines held back are kept, for the caller to show when the run fails.
     """
-    table = _TableFilter()
+
+    def __init__(self, keep: int = 40) -> None:
+        self.recent: collections.deque[str] = collections.deque(maxlen=keep)
+        self._in_expected_warning = False
+
+    def feed(self, line: str) -> list[str]:
+        plain = _ANSI.sub("", line)
+        level = plain.split(":", 1)[0].strip() if ":" in plain[:12] else ""
+        expected = any(text in plain for text in _EXPECTED_WARNINGS)
+        if level in ("INFO", "DEBUG") or expected or (
+                self._in_expected_warning and not level and plain.startswith(" ")) or \
+                plain.startswith(("Using SuperLink:", "Successfully installed")) or \
+                not plain.strip():
+            if level:
+                self._in_expected_warning = expected
+            self.recent.append(line)
+            return []
+        self._in_expected_warning = False
+        return [line]
+
+
+def _stream(run_id: str, connection: str, env: dict[str, str], *,
+            verbose: bool = False) -> tuple[list[str], list[str]]:
+    """Echo the run's log as Flower streams it, less the ServerApp's summary table
+    and, unless ``verbose``, less Flower's INFO lines (:class:`_QuietLog`).
+
+    Returns the lines held back: the table's block, for the caller to show if it has
+    no ``summary.json`` to print the table from, and the last quiet lines, for a run
+    that failed.
+    """
+    table, quiet = _TableFilter(), _QuietLog()
     with subprocess.Popen([_flwr(), "log", run_id, connection, "--stream"], env=env,
-                          stdout=subprocess.PIPE, text=True, errors="replace") as proc:
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          errors="replace") as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             for shown in table.feed(line.rstrip("\n")):
-                print(shown, flush=True)
-    return table.held
+                for kept in ([shown] if verbose else quiet.feed(shown)):
+                    print(kept, flush=True)
+    return table.held, list(quiet.recent)
 
 
 def _exec(argv: list[str], env: dict[str, str]) -> int:
@@ -286,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--run-config", default="", help="overrides: \"key=value key='text'\"")
     sim.add_argument("--run-name", default="", help="results folder name (default: time)")
     sim.add_argument("--results-dir", default="results")
+    sim.add_argument("--verbose", action="store_true",
+                     help="show Flower's whole log (default: one line per round, warnings)")
     sim.set_defaults(handler=simulate)
     sw = commands.add_parser("sweep", help="run every combination of a sweep file")
     sw.add_argument("file", help="sweep TOML file ([base], [grid], [simulation])")

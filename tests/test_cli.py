@@ -37,3 +37,30 @@ def test_a_block_that_is_not_the_table_is_let_through():
     # Lines that merely mention the words are never held.
     assert _shown(["INFO: run codec rounds final acc best acc"])[0] == [
         "INFO: run codec rounds final acc best acc"]
+
+
+def test_the_quiet_log_shows_round_lines_warnings_and_errors_only():
+    from fedcomp.cli import _QuietLog
+
+    info, warning = "\x1b[92mINFO \x1b[0m:", "\x1b[93mWARNING \x1b[0m:"
+    error = "\x1b[91mERROR \x1b[0m:"
+    log = [
+        "Using SuperLink: local (127.0.0.1:39091)",
+        f"{info}      Starting Flower Simulation",
+        f"{warning}   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.",
+        f"{warning}   fraction_evaluate is set to 0.0. Federated evaluation will be skipped.",
+        "fedcomp: digits, 20 rounds, uplink 'topk:ratio=0.01|quant:bits=4'",
+        f"{info}      [ROUND 1/20]",
+        f"{info}      \t└──> Aggregated MetricRecord: {{'clients-ok': 10}}",
+        "[round   1/20] acc 0.1003 loss 2.2581 | up 43.2 kB (x140 vs fp32)",
+        f"{warning}   Client 3 timed out",
+        f"{error}     ServerApp raised an exception",
+        "Traceback (most recent call last):",
+        '  File "server/app.py", line 1, in main',
+        f"{info}      ",
+    ]
+    quiet = _QuietLog(keep=3)
+    shown = [line for entry in log for line in quiet.feed(entry)]
+    assert shown == [log[4], log[7], log[8], log[9], log[10], log[11]]
+    # What was held back last is kept for a run that fails.
+    assert list(quiet.recent) == [log[5], log[6], log[12]]
