@@ -21,7 +21,7 @@ export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
 export FLWR_HOME := $(CURDIR)/.flwr
 export PYTHONUNBUFFERED := 1
 
-.PHONY: run test lint bench bench-quick datasets venv clean
+.PHONY: run test test-fast lint bench bench-quick datasets venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ test: $(STAMP) datasets
 	@rc=0; $(PY) -m pytest $(PYTEST_ARGS) || rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "ERROR: pytest collected no tests" >&2; exit 1; fi; \
 	exit $$rc
+
+## test-fast: lint, then the tests that run no Flower simulation (about a minute)
+test-fast: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
