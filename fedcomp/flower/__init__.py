@@ -18,6 +18,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedcomp.downlink import DownlinkMessage
+from fedcomp.flower.interop import CompressedUplink, compression_mod
 from fedcomp.replies import ReplyError, parse_digest
 
 __all__ = [
@@ -149,5 +150,3 @@ def load_client_state(state: RecordDict) -> dict[str, dict[str, np.ndarray]]:
             for key, record in state.items()
             if key.startswith(STATE_PREFIX) and isinstance(record, ArrayRecord)}
 
-
-from fedcomp.flower.interop import CompressedUplink, compression_mod  # noqa: E402

@@ -41,7 +41,6 @@ from flwr.serverapp.strategy import Strategy
 from fedcomp.errors import PayloadError, SpecError
 from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError
 from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.privacy.noise import SecureNoise
 from fedcomp.wire import unpack_payload
 
 __all__ = ["SETTINGS_KEY", "UPDATE_KEY", "CompressedUplink", "compression_mod"]
@@ -100,9 +99,8 @@ def compression_mod(msg: Message, context: Context,
                                    shapes={n: v.shape for n, v in delta.items()})
         except (StateMismatchError, KeyError, ValueError) as exc:
             log.warning("fedcomp: dropping saved error-feedback state: %s", exc)
-    # Stochastic rounding's randomness needs no seed and must not be predictable.
-    rng = np.random.default_rng(np.frombuffer(bytes(SecureNoise().uniform(4).tobytes()),
-                                              dtype=np.uint64))
+    # Stochastic rounding's randomness needs no seed: numpy seeds it from OS entropy.
+    rng = np.random.default_rng()
     update = encode_update(delta, policy, feedback=memory, rng=rng,
                            meta={"round": int(settings["server-round"])})
     if isinstance(memory, ErrorFeedback):
