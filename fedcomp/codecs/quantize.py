@@ -353,8 +353,12 @@ class Ternary(Codec):
         symbols = np.sign(flat).astype(np.int8)
         if self.mode == "stochastic":
             if n:
-                inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
-                keep = rng.random(n, dtype=np.float32) < np.abs(flat) * _expand(inv, chunk, n)
+                # |x| / max|x| directly: 1 / max|x| overflows float32 when the
+                # chunk's largest magnitude is subnormal.
+                per_value = _expand(scale, chunk, n)
+                share = np.divide(np.abs(flat), per_value, out=np.zeros_like(flat),
+                                  where=per_value > 0)
+                keep = rng.random(n, dtype=np.float32) < share
                 symbols[~keep] = 0
         else:
             # mean |x| over the chunk's nonzeros = mean |x| / share of nonzeros

@@ -112,3 +112,13 @@ def test_uniform_payload_size_is_bits_per_value_plus_scales(bits):
     encoded = Pipeline.parse(f"quant:bits={bits},chunk=100").encode(
         x, rng=np.random.default_rng(0))
     assert encoded.nbytes == (1000 * bits + 7) // 8 + 10 * 2 * 4
+
+
+def test_stochastic_ternary_of_subnormal_values_keeps_each_with_its_share_of_the_max():
+    # 1 / max|x| overflows float32 for a subnormal max; the keep probability must not.
+    tiny = np.float32(1e-45)
+    x = np.array([tiny, -tiny, 0.0] * 200, dtype=np.float32)
+    pipeline = Pipeline.parse("ternary:mode=stochastic")
+    _, decoded = pipeline.roundtrip(x, rng=np.random.default_rng(0))
+    # |x| equals the max wherever it is non-zero: kept with probability 1, sign intact.
+    np.testing.assert_array_equal(np.sign(decoded), np.sign(x))
