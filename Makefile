@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-## run: the main job: a Flower simulation (digits, 10 clients, Top-1% + 4-bit + EF)
+## run: the main job: a Flower simulation (digits, 10 clients, both directions compressed)
 run: $(STAMP)
 	$(VENV)/bin/fedcomp simulate --num-supernodes 10 $(if $(RUN_CONFIG),--run-config "$(RUN_CONFIG)")
 

@@ -12,7 +12,8 @@ streams the run's log, then asks the SuperLink for the run's final status, since
 ``flwr run --stream`` exits 0 even when the run failed. It exits 1 unless the status
 is ``finished:completed``, and ends with the run's summary table from
 ``summary.json`` (the copy that the ServerApp prints at the end of its log is held
-back, so the table appears once).
+back, so the table appears once). ``sweep`` runs each of its runs the same way,
+with the run's whole config in a TOML file (Flower's ``--run-config FILE.toml``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["flower_env", "main"]
+__all__ = ["flower_env", "flower_runner", "main"]
 
 FLOWER_ENV = {
     "FLWR_TELEMETRY_ENABLED": "0",
@@ -75,38 +76,52 @@ def simulate(args: argparse.Namespace) -> int:
                     summary_required=True)
 
 
-def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
-             summary_required: bool) -> int:
-    """``flwr run``, stream its log, then demand the status ``finished:completed``."""
-    from fedcomp.results import format_summary_table
+def _flower_run(project: Path, connection: str, run_config: str, *, federation: str | None,
+                where: str, verbose: bool) -> tuple[str, str, list[str], list[str]]:
+    """``flwr run`` the app, stream its log, and wait for the run's final status.
 
-    project = Path(args.app).resolve()
+    ``run_config`` is Flower's ``--run-config``: ``"key=value ..."`` or a TOML file.
+    Returns the run id, its status, and the lines :func:`_stream` held back.
+    """
     env = flower_env(project)
-    results_dir = Path(args.results_dir).resolve()
-    run_name = args.run_name or time.strftime("run-%Y%m%d-%H%M%S")
-    run_config = " ".join(filter(None, [
-        args.run_config, f"results-dir='{results_dir}'", f"run-name='{run_name}'"]))
     flwr = _flwr()
-    command = [flwr, "run", str(project), args.connection, "--format", "json",
+    command = [flwr, "run", str(project), connection, "--format", "json",
                "--run-config", run_config]
     if federation:
         command += ["--federation-config", federation]
     started = _run_json(command, env)
     if not started.get("success"):
-        print(f"error: flwr run failed: {started}", file=sys.stderr)
-        return 1
+        raise RuntimeError(f"flwr run failed: {started}")
     run_id = str(started["run-id"])
     print(f"fedcomp: started Flower run {run_id} ({where})", flush=True)
-    held_table, quiet_tail = _stream(run_id, args.connection, env,
-                                     verbose=getattr(args, "verbose", False))
+    held_table, quiet_tail = _stream(run_id, connection, env, verbose=verbose)
     status = ""
     for _ in range(60):  # the log stream can end a moment before the status is final
-        listing = _run_json([flwr, "ls", args.connection, "--run-id", run_id,
+        listing = _run_json([flwr, "ls", connection, "--run-id", run_id,
                              "--format", "json"], env)
         status = listing.get("runs", [{}])[0].get("status", "")
         if status.startswith("finished"):
             break
         time.sleep(1)
+    return run_id, status, held_table, quiet_tail
+
+
+def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
+             summary_required: bool) -> int:
+    """``flwr run``, stream its log, then demand the status ``finished:completed``."""
+    from fedcomp.results import FP32_NOTE, format_summary_table
+
+    results_dir = Path(args.results_dir).resolve()
+    run_name = args.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    run_config = " ".join(filter(None, [
+        args.run_config, f"results-dir='{results_dir}'", f"run-name='{run_name}'"]))
+    try:
+        run_id, status, held_table, quiet_tail = _flower_run(
+            Path(args.app).resolve(), args.connection, run_config, federation=federation,
+            where=where, verbose=getattr(args, "verbose", False))
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if status != "finished:completed":
         if quiet_tail:
             print("fedcomp: the last lines of Flower's log:\n" + "\n".join(quiet_tail))
@@ -126,6 +141,7 @@ def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
               f"SuperLink's machine in {summary_path.parent}")
         return 0
     print("\n" + format_summary_table([json.loads(summary_path.read_text())]))
+    print(FP32_NOTE)
     print(f"\nresults: {summary_path.parent} (rounds.csv, clients.csv, summary.json)")
     return 0
 
@@ -274,27 +290,49 @@ def deploy(args: argparse.Namespace) -> int:
 
 
 def sweep(args: argparse.Namespace) -> int:
+    from fedcomp.report import encoder_of
     from fedcomp.sweep import Sweep, run_sweep
 
     plan = Sweep.load(args.file)
     print(f"sweep {plan.name}: {len(plan.runs)} runs x {plan.num_supernodes} clients -> "
           f"{args.out}", flush=True)
-
-    def runner(config, num_supernodes):
-        # Imported here: running simulations needs Flower, the sweep logic does not.
-        from server.simulation import simulate_summary
-
-        return simulate_summary(config, num_supernodes, verbose=args.verbose)
-
-    for key, value in FLOWER_ENV.items():
-        os.environ.setdefault(key, value)
-    from fedcomp.report import encoder_of
-
+    runner = flower_runner(Path(args.app), connection=args.connection,
+                           cpus_per_client=args.cpus_per_client, verbose=args.verbose)
     rows = run_sweep(plan, args.out, runner, fingerprint=encoder_of)
     failed = [r for r in rows if r["status"] == "failed"]
     print(f"\n{len(rows) - len(failed)} of {len(rows)} runs complete; "
           f"{Path(args.out) / 'runs.csv'}" + (f"; {len(failed)} failed" if failed else ""))
     return 1 if failed else 0
+
+
+def flower_runner(app: Path, *, connection: str = "local", cpus_per_client: float = 1.0,
+                  verbose: bool = False):
+    """A runner for :func:`fedcomp.sweep.run_sweep`: each run through ``flwr run`` on
+    the local SuperLink, as ``fedcomp simulate`` runs it, with the run's whole config
+    in a TOML file. It returns the run's summary and raises if the run failed."""
+    import tempfile
+
+    import tomli_w
+
+    project = Path(app).resolve()
+
+    def run(config, num_supernodes: int) -> dict:
+        results_dir = Path(config.results_dir).resolve()
+        config = config.replace(results_dir=str(results_dir))
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "run-config.toml"
+            path.write_text(tomli_w.dumps(config.to_mapping()))
+            run_id, status, _, quiet_tail = _flower_run(
+                project, connection, str(path),
+                federation=(f"num-supernodes={num_supernodes} "
+                            f"client-resources-num-cpus={cpus_per_client}"),
+                where=f"{num_supernodes} SuperNodes", verbose=verbose)
+        if status != "finished:completed":
+            raise RuntimeError(f"Flower run {run_id} ended with status {status!r}; the "
+                               "last lines of its log:\n" + "\n".join(quiet_tail[-15:]))
+        return json.loads((results_dir / config.run_name / "summary.json").read_text())
+
+    return run
 
 
 def report(args: argparse.Namespace) -> int:
@@ -342,7 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw = commands.add_parser("sweep", help="run every combination of a sweep file")
     sw.add_argument("file", help="sweep TOML file ([base], [grid], [simulation])")
     sw.add_argument("--out", required=True, help="folder for the runs and runs.csv")
-    sw.add_argument("--verbose", action="store_true", help="show Flower's own log")
+    sw.add_argument("--app", default=".", help="the Flower app folder (default: .)")
+    sw.add_argument("--connection", default="local", help="SuperLink connection name")
+    sw.add_argument("--cpus-per-client", type=float, default=1)
+    sw.add_argument("--verbose", action="store_true",
+                    help="show Flower's whole log (default: one line per round, warnings)")
     sw.set_defaults(handler=sweep)
     rep = commands.add_parser("report", help="table and plots of a sweep folder")
     rep.add_argument("dir", help="a folder written by fedcomp sweep")

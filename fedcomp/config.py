@@ -49,7 +49,8 @@ _CHOICES = {
 #: Defaults that changed after runs were recorded: the run id compares a setting with
 #: its value *before* the change, so an old run's id still names what it ran (a run
 #: with the new default gets a new id).
-_DIGEST_BASELINE = {"norm-bound": 0.0, "norm-action": "reject", "weight-cap": 0.0}
+_DIGEST_BASELINE = {"norm-bound": 0.0, "norm-action": "reject", "weight-cap": 0.0,
+                    "downlink-codec": "none", "downlink-mode": "shared"}
 
 
 def _defaults() -> dict[str, Any]:
@@ -88,10 +89,10 @@ class RunConfig:
     min_numel: int = 1024
     codec_overrides: str = ""
     feedback: str = "ef"
-    downlink_codec: str = "none"
+    downlink_codec: str = "topk:ratio=0.08|quant:bits=4"
     downlink_codec_overrides: str = ""
     downlink_history: int = 1000
-    downlink_mode: str = "shared"
+    downlink_mode: str = "per-client"
     shared_init: bool = True
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
@@ -220,10 +221,10 @@ class RunConfig:
                 or self.dp_clipped_count_stddev < 0:
             raise SpecError("run config dp-target-quantile must be in (0, 1), dp-clip-lr > 0 "
                             "and dp-clipped-count-stddev >= 0 (0: automatic)")
-        if self.downlink_mode == "per-client" and self.downlink_codec == "none":
-            raise SpecError("run config 'downlink-mode' = 'per-client' needs a compressing "
-                            "'downlink-codec' (with 'none' every message is the full model: "
-                            "use the default 'shared' mode)")
+        if self.downlink_codec == "none":
+            # Nothing to compress: every message is the full model or the (lossless)
+            # updates a client missed, which is the shared mode whatever was asked.
+            object.__setattr__(self, "downlink_mode", "shared")
         if not 0.0 <= self.server_average < 1.0:
             raise SpecError(f"run config 'server-average' must be in [0, 1) (0: off), got "
                             f"{self.server_average!r}")

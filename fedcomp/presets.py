@@ -34,33 +34,40 @@ class Preset:
     settings: Mapping[str, Any]
 
 
+#: The uplink methods of the literature, as they are benchmarked: the server sends the
+#: whole model down every round (fedcomp's default compresses the downlink too).
+_FULL_DOWNLINK = {"downlink-codec": "none"}
 _STC = "topk:ratio=0.001|ternary:mode=mean"
 _PER_LAYER = "conv2.weight={spec}; fc2.weight={spec}"
 
 #: Every preset by name.
 PRESETS: dict[str, Preset] = {
     "fedavg": Preset("FedAvg: the fp32 model delta, no error feedback",
-                     {"codec": "none", "feedback": "none"}),
+                     {"codec": "none", "feedback": "none", **_FULL_DOWNLINK}),
     "fedavg-average": Preset(
         "FedAvg with an exponential moving average (0.9) of the server's models evaluated",
-        {"codec": "none", "feedback": "none", "server-average": 0.9}),
+        {"codec": "none", "feedback": "none", "server-average": 0.9, **_FULL_DOWNLINK}),
     "fedadam": Preset("FedAdam (server lr 0.01) on the fp32 delta",
                       {"codec": "none", "feedback": "none", "server-optimizer": "adam",
-                       "server-lr": 0.01}),
-    "fp16": Preset("half precision, no error feedback", {"codec": "fp16", "feedback": "none"}),
+                       "server-lr": 0.01, **_FULL_DOWNLINK}),
+    "fp16": Preset("half precision, no error feedback",
+                   {"codec": "fp16", "feedback": "none", **_FULL_DOWNLINK}),
     "8bit": Preset("8-bit uniform quantization (TFF's default), no error feedback",
-                   {"codec": "quant:bits=8", "feedback": "none"}),
+                   {"codec": "quant:bits=8", "feedback": "none", **_FULL_DOWNLINK}),
     "qsgd": Preset("QSGD with 16 levels, no error feedback",
-                   {"codec": "qsgd:levels=16", "feedback": "none"}),
-    "ef-signsgd": Preset("signSGD with error feedback", {"codec": "sign", "feedback": "ef"}),
+                   {"codec": "qsgd:levels=16", "feedback": "none", **_FULL_DOWNLINK}),
+    "ef-signsgd": Preset("signSGD with error feedback",
+                         {"codec": "sign", "feedback": "ef", **_FULL_DOWNLINK}),
     "stc": Preset("Sparse Ternary Compression: Top-0.1% ternary with error feedback, both "
-                  "directions", {"codec": _STC, "feedback": "ef", "downlink-codec": _STC}),
+                  "directions", {"codec": _STC, "feedback": "ef", "downlink-codec": _STC,
+                                  "downlink-mode": "shared"}),
     "randk-ef": Preset("Random-1% with error feedback",
-                       {"codec": "randk:ratio=0.01", "feedback": "ef"}),
+                       {"codec": "randk:ratio=0.01", "feedback": "ef", **_FULL_DOWNLINK}),
     "lowrank-ef": Preset("rank-4 PowerSGD-style low-rank with error feedback",
-                         {"codec": "lowrank:rank=4|fp16", "feedback": "ef"}),
-    "top1-4bit-ef": Preset("Top-1% + 4-bit + error feedback (the run default)",
-                           {"codec": "topk:ratio=0.01|quant:bits=4", "feedback": "ef"}),
+                         {"codec": "lowrank:rank=4|fp16", "feedback": "ef", **_FULL_DOWNLINK}),
+    "top1-4bit-ef": Preset("Top-1% + 4-bit + error feedback, the full model down",
+                           {"codec": "topk:ratio=0.01|quant:bits=4", "feedback": "ef",
+                            **_FULL_DOWNLINK}),
     "fedcomp-best": Preset(
         "the best fedcomp configuration on non-IID Fashion-MNIST: Top-0.5% ternary + EF "
         "(conv2/fc2 Top-10%), 8-bit small tensors, FedAdam (tau 1e-5), a per-client Top-8% "

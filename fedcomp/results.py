@@ -18,12 +18,20 @@ from typing import Any
 
 from fedcomp.privacy.release import RELEASED_ROUND_COLUMNS, released_summary
 
-__all__ = ["CLIENT_COLUMNS", "ROUND_COLUMNS", "RoundRecord", "RunRecorder", "format_summary_table"]
+__all__ = [
+    "CLIENT_COLUMNS",
+    "FP32_NOTE",
+    "ROUND_COLUMNS",
+    "RoundRecord",
+    "RunRecorder",
+    "format_summary_table",
+]
 
 ROUND_COLUMNS = [
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
     "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s", "raw_accuracy",
+    "clients_sampled",
 ]
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
@@ -60,6 +68,8 @@ class RoundRecord:
     #: server-average > 0: the accuracy of the server's own model (``accuracy`` is the
     #: averaged model's); NaN otherwise.
     raw_accuracy: float = math.nan
+    #: Nodes sent a downlink message this round (FedAvg would send each the fp32 model).
+    clients_sampled: int = 0
 
 
 class RunRecorder:
@@ -91,6 +101,7 @@ class RunRecorder:
         self.rows: list[RoundRecord] = []
         self.rejected_by_reason: dict[str, int] = {}
         self.replies_ok = 0
+        self.messages_sent = 0
         self.extra: dict[str, Any] = {}
         self.started = time.perf_counter()
         self.initial_accuracy = math.nan
@@ -125,7 +136,8 @@ class RunRecorder:
         """JSON-able progress, for checkpoints."""
         return {"rows": [asdict(r) for r in self.rows],
                 "rejected_by_reason": self.rejected_by_reason,
-                "replies_ok": self.replies_ok, "initial_accuracy": self.initial_accuracy,
+                "replies_ok": self.replies_ok, "messages_sent": self.messages_sent,
+                "initial_accuracy": self.initial_accuracy,
                 "elapsed_s": time.perf_counter() - self.started}
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -133,6 +145,7 @@ class RunRecorder:
         self.rows = [RoundRecord(**row) for row in state["rows"]]
         self.rejected_by_reason = dict(state["rejected_by_reason"])
         self.replies_ok = int(state["replies_ok"])
+        self.messages_sent = int(state.get("messages_sent", 0))  # older checkpoints: none
         self.initial_accuracy = float(state["initial_accuracy"])
         self.started = time.perf_counter() - float(state["elapsed_s"])
         self._clients_fresh = False  # keep the rows of the rounds before the restart
@@ -172,6 +185,7 @@ class RunRecorder:
                                   + row.downlink_bytes)
         self.rows.append(row)
         self.replies_ok += row.clients_ok
+        self.messages_sent += row.clients_sampled
         for reason, count in (rejected_by_reason or {}).items():
             self.rejected_by_reason[reason] = self.rejected_by_reason.get(reason, 0) + count
         with self._csv_path.open("a", newline="") as handle:
@@ -209,7 +223,11 @@ class RunRecorder:
         accuracies = [r.accuracy for r in self.rows if not math.isnan(r.accuracy)]
         raw = [r.raw_accuracy for r in self.rows if not math.isnan(r.raw_accuracy)]
         last = self.rows[-1] if self.rows else RoundRecord(0)
+        # FedAvg in the same rounds: the fp32 model up from every accepted reply and
+        # down to every sampled node (headers left out, which favours FedAvg).
         fp32_uplink = self.model_bytes * self.replies_ok
+        fp32_downlink = self.model_bytes * self.messages_sent
+        total = last.cum_uplink_bytes + last.cum_downlink_bytes
         return {
             "run_name": self.out_dir.name,
             "config": self.config,
@@ -224,6 +242,10 @@ class RunRecorder:
             "fp32_uplink_bytes": fp32_uplink,
             "uplink_compression": (fp32_uplink / last.cum_uplink_bytes
                                    if last.cum_uplink_bytes else None),
+            "fp32_downlink_bytes": fp32_downlink,
+            "downlink_compression": (fp32_downlink / last.cum_downlink_bytes
+                                     if last.cum_downlink_bytes else None),
+            "total_compression": (fp32_uplink + fp32_downlink) / total if total else None,
             "model_bytes_fp32": self.model_bytes,
             "wall_s": time.perf_counter() - self.started,
             "rejected_updates": sum(self.rejected_by_reason.values()),
@@ -242,25 +264,33 @@ class RunRecorder:
             (self.out_dir / "release" / "summary.json").write_text(
                 json.dumps(released_summary(summary), indent=2) + "\n")
         if self.verbose:
-            print(format_summary_table([summary]), flush=True)
+            print(format_summary_table([summary]) + "\n" + FP32_NOTE, flush=True)
             print(f"results: {self.out_dir}", flush=True)
         return summary
+
+
+#: What the table's factors compare with, and how to run it.
+FP32_NOTE = ("x fp32: against FedAvg sending the fp32 model up and down in the same rounds;\n"
+             "the FedAvg run itself: make run RUN_CONFIG=\"preset='fedavg'\"")
 
 
 def format_summary_table(summaries: list[dict[str, Any]]) -> str:
     """A plain-text table of runs: accuracy, MB up and down, compression vs fp32."""
     header = ["run", "codec", "rounds", "final acc", "best acc", "MB up", "MB down",
-              "up x fp32", "total x fp32"]
+              "up x fp32", "down x fp32", "total x fp32"]
     rows = []
     for s in summaries:
         up, down = s["uplink_bytes"], s["downlink_bytes"]
-        fp32_total = s["fp32_uplink_bytes"] * 2  # FedAvg sends the model both ways
+        # Summaries written before the downlink count: FedAvg's downlink equals its uplink.
+        fp32_down = s.get("fp32_downlink_bytes", s["fp32_uplink_bytes"])
+        fp32_total = s["fp32_uplink_bytes"] + fp32_down
         rows.append([
             s["run_name"], s["config"].get("codec", ""), str(s["rounds_completed"]),
             f"{s['final_accuracy']:.4f}" if s["final_accuracy"] is not None else "-",
             f"{s['best_accuracy']:.4f}" if s["best_accuracy"] is not None else "-",
             f"{up / 1e6:.3f}", f"{down / 1e6:.3f}",
             f"{s['fp32_uplink_bytes'] / up:.1f}" if up else "-",
+            f"{fp32_down / down:.1f}" if down else "-",
             f"{fp32_total / (up + down):.1f}" if up + down else "-",
         ])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]

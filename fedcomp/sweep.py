@@ -35,7 +35,8 @@ version of a codec or of the wire format keeps its byte counts. Given a
 says which runs would encode differently if rerun; ``runs.csv`` carries the column.
 
 The runner that actually simulates is passed in (:func:`run_sweep`), so this module
-stays free of Flower; ``fedcomp sweep`` passes ``server.simulation.simulate``.
+stays free of Flower; ``fedcomp sweep`` passes one that runs ``flwr run`` on the
+local SuperLink (tests pass in-process ones).
 """
 
 from __future__ import annotations

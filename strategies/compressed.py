@@ -295,6 +295,7 @@ class CompressedFedAvg(FedAvg):
                                        downlink_bytes=sum(self._sent.values())))
         # Replies that did not arrive before the round timeout were dropped by Flower.
         stats.record.timed_out = max(0, len(self._sent) - len(replies))
+        stats.record.clients_sampled = len(self._sent)
         if stats.record.timed_out:
             log.warning("round %d: %d sampled nodes did not reply within %g s",
                         server_round, stats.record.timed_out, self.cfg.round_timeout)

@@ -54,6 +54,9 @@ def make_strategy(monkeypatch):
         from fedcomp.config import RunConfig
         from strategies.compressed import CompressedFedAvg
 
+        # The shared (full-model) downlink unless a test asks for another: replies
+        # then report the digest of the strategy's model.
+        settings.setdefault("downlink_codec", "none")
         rng = np.random.default_rng(0)
         initial = {k: rng.standard_normal(s).astype(np.float32)
                    for k, s in STRATEGY_SHAPES.items()}

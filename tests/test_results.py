@@ -12,9 +12,10 @@ def test_rounds_csv_and_summary_json(tmp_path):
     recorder = RunRecorder(tmp_path / "run", {"codec": "sign"}, model_bytes=1000,
                            num_rounds=2, verbose=False)
     recorder.record(RoundRecord(1, accuracy=0.5, uplink_bytes=100, downlink_bytes=2000,
-                                clients_ok=2, rejected=1), {"checksum": 1})
+                                clients_ok=2, rejected=1, clients_sampled=3),
+                    {"checksum": 1})
     recorder.record(RoundRecord(2, accuracy=0.7, uplink_bytes=50, downlink_bytes=500,
-                                clients_ok=1), {"checksum": 2, "stale": 1})
+                                clients_ok=1, clients_sampled=2), {"checksum": 2, "stale": 1})
     summary = recorder.finish()
     with open(tmp_path / "run" / "rounds.csv") as handle:
         rows = list(csv.DictReader(handle))
@@ -27,11 +28,17 @@ def test_rounds_csv_and_summary_json(tmp_path):
     assert summary["uplink_bytes"] == 150 and summary["downlink_bytes"] == 2500
     assert summary["fp32_uplink_bytes"] == 3 * 1000  # three accepted replies
     assert summary["uplink_compression"] == 20.0
+    # FedAvg would have sent the fp32 model to all five sampled nodes.
+    assert summary["fp32_downlink_bytes"] == 5 * 1000
+    assert summary["downlink_compression"] == 2.0
+    assert summary["total_compression"] == (3000 + 5000) / (150 + 2500)
     assert summary["rejected_updates"] == 4
     assert summary["rejected_by_reason"] == {"checksum": 3, "stale": 1}
     assert "best_raw_accuracy" not in summary  # no server-average: no raw figures
     table = format_summary_table([summary])
-    assert "run" in table.splitlines()[0] and "20.0" in table
+    header, row = table.splitlines()
+    assert header.endswith("up x fp32  down x fp32  total x fp32")
+    assert row.split()[-3:] == ["20.0", "2.0", f"{8000 / 2650:.1f}"]
 
 
 def test_an_averaged_run_keeps_the_raw_models_accuracy_beside_it(tmp_path, capsys):

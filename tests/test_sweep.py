@@ -255,11 +255,19 @@ def test_current_encoder_is_the_run_configs_fingerprint_and_empty_for_old_config
 
 
 @pytest.mark.slow
-def test_smoke_sweep_through_the_command_line(tmp_path):
+def test_smoke_sweep_through_the_command_line(tmp_path, capsys):
     from fedcomp.cli import main
 
     out = tmp_path / "smoke"
-    assert main(["sweep", str(ROOT / "experiments/sweeps/smoke.toml"), "--out", str(out)]) == 0
+    # Each run goes through `flwr run` on the local SuperLink, as `make run` does.
+    command = ["sweep", str(ROOT / "experiments/sweeps/smoke.toml"), "--out", str(out),
+               "--app", str(ROOT)]
+    assert main(command) == 0
+    # A line per run and per round; Flower's INFO lines and deprecation notes held back.
+    console = capsys.readouterr().out
+    assert "[run 1/2]" in console and "[run 2/2]" in console
+    assert console.count("[round ") == 4, console
+    assert "INFO" not in console and "deprecated" not in console.lower(), console
     with open(out / "runs.csv") as handle:
         rows = list(csv.DictReader(handle))
     assert [r["status"] for r in rows] == ["complete", "complete"]
@@ -267,7 +275,7 @@ def test_smoke_sweep_through_the_command_line(tmp_path):
     assert main(["report", str(out), "--target", "0.1"]) == 0
     assert (out / "accuracy_vs_uplink.png").exists() and (out / "accuracy_vs_round.png").exists()
     # A second sweep over the same folder has nothing left to do.
-    assert main(["sweep", str(ROOT / "experiments/sweeps/smoke.toml"), "--out", str(out)]) == 0
+    assert main(command) == 0
 
 
 def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):

@@ -43,9 +43,8 @@ def test_client_level_dp_records_epsilon_releases_only_what_it_may_and_stops_at_
     assert list(released[0]) == list(RELEASED_ROUND_COLUMNS) and len(released) == len(epsilons)
     assert "uplink_bytes" not in json.loads(
         (tmp_path / "dp" / "release" / "summary.json").read_text())
-    # With q = 1 and sigma = 1 the third round would cost more than 50: it stops early.
-    tight, _ = _simulate(cfg.replace(run_name="tight", dp_target_epsilon=epsilons[0] + 0.01))
-    assert tight["rounds_completed"] == 1 and "stopped before round 2" in tight["stopped_early"]
+    # A target epsilon stops a run early: end to end in the sample-level test below,
+    # for client level in tests/privacy/test_server.py.
 
 
 def test_two_dp_runs_with_one_seed_differ_unless_noise_is_made_reproducible(tmp_path):
@@ -53,13 +52,13 @@ def test_two_dp_runs_with_one_seed_differ_unless_noise_is_made_reproducible(tmp_
                     dp_noise_multiplier=1.0, dp_clip_norm=0.5, feedback="none",
                     codec="quant:bits=8", results_dir=str(tmp_path))
     models = {}
-    for label, reproducible in (("a", False), ("b", False), ("c", True), ("d", True)):
+    # That a seeded noise source repeats is tests/privacy/test_server.py's; here, that a
+    # run asking for it is labelled.
+    for label, reproducible in (("a", False), ("b", False), ("c", True)):
         _, strategy = _simulate(cfg.replace(run_name=label,
                                             dp_reproducible_noise=reproducible))
         models[label] = strategy.broadcaster.model
     assert not np.array_equal(models["a"]["fc1.weight"], models["b"]["fc1.weight"])
-    for name in models["c"]:
-        np.testing.assert_array_equal(models["c"][name], models["d"][name])
     assert "NOT PRIVATE" in json.loads((tmp_path / "c" / "summary.json").read_text())["dp_noise"]
 
 
@@ -92,8 +91,9 @@ def test_each_dp_mode_completes_two_compressed_rounds(tmp_path, mode):
         assert tight["epsilon"] <= epsilons[0] * 1.01
 
 
-@pytest.mark.parametrize(("dp", "key"), [("client", "dp-delta"), ("sample", "dp-delta"),
-                                         ("client", "dp-target-epsilon")])
+# Sample level: the clients' own check, through the query before round 1. The server's
+# checks (client level) are tests/privacy/test_server.py's.
+@pytest.mark.parametrize(("dp", "key"), [("sample", "dp-delta")])
 def test_an_impossible_privacy_setting_stops_the_run_before_round_one(tmp_path, dp, key):
     bad = {"dp-delta": dict(dp_delta=0.5), "dp-target-epsilon": dict(dp_target_epsilon=0.01)}
     cfg = RunConfig(num_server_rounds=2, local_steps=1, local_epochs=0, dp=dp,
