@@ -1,6 +1,6 @@
 """fedcomp ClientApp: local training and a compressed, error-compensated delta.
 
-Thin by design: the round's logic is :func:`fedcomp.client_round.run_client_round`;
+Thin by design: the round's logic is :func:`fedcomp.federated.client_round.run_client_round`;
 this file reads the message and the node's config, restores the client's state from
 ``context.state`` (never module globals: Ray reuses processes across virtual
 clients), and packs the reply.
@@ -17,7 +17,8 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import message_size_mod
 from flwr.common.logger import log as flwr_log
 
-from fedcomp.client_round import (
+from fedcomp.config import RunConfig
+from fedcomp.federated.client_round import (
     ClientState,
     dp_sgd_plan_reply,
     load_state_file,
@@ -27,10 +28,8 @@ from fedcomp.client_round import (
     saved_replica_digest,
     state_file,
 )
-from fedcomp.config import RunConfig
-from fedcomp.data import ArrayDataset, load_partition
-from fedcomp.downlink import Replica, ReplicaOutOfSync
-from fedcomp.faults import INFLATED_EXAMPLES, POISON_SCALE, InjectedFault, tamper
+from fedcomp.federated.downlink import Replica, ReplicaOutOfSync
+from fedcomp.federated.faults import INFLATED_EXAMPLES, POISON_SCALE, InjectedFault, tamper
 from fedcomp.flower import (
     downlink_from_record,
     load_client_state,
@@ -38,6 +37,7 @@ from fedcomp.flower import (
     payload_to_record,
     save_client_state,
 )
+from fedcomp.tasks.data import ArrayDataset, load_partition
 
 
 def _message_size(msg: Message, context: Context, call_next):

@@ -11,7 +11,7 @@ average the run itself saved, where it saved one.
 Schemes (``t`` counts the server steps folded in so far, from 0):
 
 * ``raw``: the server's own model (no averaging).
-* ``ema:D``: ``fedcomp.averaging.ModelAverage`` (what ``server-average = D`` runs):
+* ``ema:D``: ``fedcomp.federated.averaging.ModelAverage`` (what ``server-average = D`` runs):
   the decay ``min(D, (1 + t) / (10 + t))``, TensorFlow's warm-up.
 * ``poly:E``: polynomial-decay averaging (Shamir and Zhang, 2013): the new model
   weighs ``(E + 1) / (t + 1 + E)``; ``poly:0`` is the uniform average of every model
@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedcomp.averaging import ModelAverage
-from fedcomp.checkpoint import load_model
-from fedcomp.data import load_dataset
-from fedcomp.models import build_model
-from fedcomp.training import evaluate
+from fedcomp.federated.averaging import ModelAverage
+from fedcomp.federated.checkpoint import load_model
+from fedcomp.tasks.data import load_dataset
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import evaluate
 
 DEFAULT_SCHEMES = ("raw", "ema:0.9", "ema:0.95", "ema:0.98", "poly:0", "poly:1", "poly:3",
                    "tail:0.25", "tail:0.5")

@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from fedcomp.codecs.base import Encoded  # noqa: E402
-from fedcomp.pipeline import Pipeline  # noqa: E402
-from fedcomp.wire import EncodedTensor, ExpectedTensor, pack_payload, unpack_payload  # noqa: E402
+from fedcomp.codecs.pipeline import Pipeline  # noqa: E402
+from fedcomp.codecs.wire import EncodedTensor, ExpectedTensor, pack_payload, unpack_payload  # noqa: E402
 
 TARGET_SPEC = "topk:ratio=0.01|quant:bits=4"
 SPECS = [
@@ -125,9 +125,9 @@ def bench_torch_topk(name: str, x: np.ndarray, repeats: int) -> dict[str, Any]:
 
 def cnn_delta(seed: int = 0) -> np.ndarray:
     """The digits CNN's parameter change after one epoch of local SGD."""
-    from fedcomp.data import load_digits
-    from fedcomp.models import build_model
-    from fedcomp.training import flat_delta, state_arrays, train
+    from fedcomp.tasks.data import load_digits
+    from fedcomp.tasks.models import build_model
+    from fedcomp.tasks.training import flat_delta, state_arrays, train
 
     data = load_digits()
     model = build_model("digits", seed=seed)

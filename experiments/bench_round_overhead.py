@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 from flwr.common.config import parse_config_args
 
-from fedcomp.aggregation import ClientReply, aggregate_deltas
-from fedcomp.client_round import ClientState, run_client_round
 from fedcomp.config import RunConfig
-from fedcomp.data import load_dataset, load_partition
-from fedcomp.downlink import Broadcaster
-from fedcomp.models import build_model
-from fedcomp.server_opt import ServerOptimizer
-from fedcomp.training import evaluate, state_arrays
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
+from fedcomp.federated.client_round import ClientState, run_client_round
+from fedcomp.federated.downlink import Broadcaster
+from fedcomp.federated.server_opt import ServerOptimizer
+from fedcomp.tasks.data import load_dataset, load_partition
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import evaluate, state_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 

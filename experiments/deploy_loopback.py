@@ -3,7 +3,7 @@
 Runs the same config twice on this machine:
 
 1. as a deployment on loopback (SuperLink with TLS and node authentication, one
-   SuperNode per partition; ``fedcomp.deploy.Loopback``), with Flower's own
+   SuperNode per partition; ``fedcomp.ops.deploy.Loopback``), with Flower's own
    ``message_size_mod`` logging every message's size on each SuperNode;
 2. as a simulation (``flwr.simulation.run_simulation``) with as many virtual nodes.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedcomp.cli import FLOWER_ENV, flower_env  # noqa: E402
-from fedcomp.deploy import Loopback  # noqa: E402
+from fedcomp.ops.cli import FLOWER_ENV, flower_env  # noqa: E402
+from fedcomp.ops.deploy import Loopback  # noqa: E402
 
 # Flower prints each log line twice (console and a timestamped copy): take the latter.
 SIZE_LINE = re.compile(r"^\S+ \S+:INFO:(Incoming|Outgoing) message size: (\d+) bytes$", re.M)
@@ -102,7 +102,7 @@ def run_deployment(work: Path, run_config: str, nodes: int
     with deployment:
         idle = {i: p.snapshot() for i, p in proxies.items()}  # connection set-up so far
         proc = subprocess.run(
-            [sys.executable, "-m", "fedcomp.cli", "deploy", "run", "--app", str(ROOT),
+            [sys.executable, "-m", "fedcomp.ops.cli", "deploy", "run", "--app", str(ROOT),
              "--connection", deployment.connection, "--run-config", run_config,
              "--run-name", "deployment", "--results-dir", str(results)],
             env=deployment.env, capture_output=True, text=True, timeout=1800, check=False)

@@ -40,15 +40,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedcomp.cli import FLOWER_ENV, flower_runner  # noqa: E402
 from fedcomp.config import RunConfig  # noqa: E402
-from fedcomp.data import load_partition  # noqa: E402
+from fedcomp.ops.cli import FLOWER_ENV, flower_runner  # noqa: E402
+from fedcomp.ops.sweep import Sweep, run_sweep  # noqa: E402
 from fedcomp.privacy.accounting import (  # noqa: E402
     dp_sgd_plan,
     epsilon_of,
     noise_multiplier_for,
 )
-from fedcomp.sweep import Sweep, run_sweep  # noqa: E402
+from fedcomp.tasks.data import load_partition  # noqa: E402
 
 TOPK = "topk:ratio=0.01|quant:bits=4"
 DELTA = 1e-5

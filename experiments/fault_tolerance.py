@@ -6,7 +6,7 @@
         --fractions 0.1 --out results/faults-fashion
 
 A fixed share of the clients (10% or 30%, chosen from the seed) attacks in every round
-it trains, one way per run (:class:`fedcomp.faults.AttackPlan`): ``signflip`` (its
+it trains, one way per run (:class:`fedcomp.federated.faults.AttackPlan`): ``signflip`` (its
 update negated), ``scale`` (x1e6), ``fltmax`` (every float32 of its payload at the
 float32 maximum), ``inflate`` (claims 1e9 examples), ``labelflip`` (trains on 9 - y).
 Each attack runs under each defence:
@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fedcomp.cli import FLOWER_ENV, flower_runner  # noqa: E402
-from fedcomp.sweep import Sweep, run_sweep  # noqa: E402
+from fedcomp.ops.cli import FLOWER_ENV, flower_runner  # noqa: E402
+from fedcomp.ops.sweep import Sweep, run_sweep  # noqa: E402
 
 ATTACKS = ["signflip", "scale", "fltmax", "inflate", "labelflip"]
 DEFENCES = {

@@ -5,7 +5,7 @@
 
 Payloads are built for the digits CNN with several codecs and mutated at random
 (bit flips, truncation, extension, splices, and structure-aware edits of the header
-and body that keep the checksum valid: see ``fedcomp.fuzzing``). Each is decoded
+and body that keep the checksum valid: see ``fedcomp.codecs.fuzzing``). Each is decoded
 as the server does, against the expected model. Every outcome must be an accepted
 update or a ``PayloadError``; anything else is a bug and is counted as a crash. Peak
 memory of one decode is tracked with tracemalloc.
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcomp.client_round import model_shapes
+from fedcomp.codecs.fuzzing import mutate
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.errors import PayloadError
-from fedcomp.fuzzing import mutate
-from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import unpack_payload
+from fedcomp.tasks.models import model_shapes
 
 SPECS = ["topk:ratio=0.01|quant:bits=4", "topk:ratio=0.05|quant:bits=2|zstd:level=1",
          "randk:ratio=0.01|qsgd:levels=4", "sign", "lowrank:rank=2|fp16",

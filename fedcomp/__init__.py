@@ -1,9 +1,18 @@
 """fedcomp: communication-efficient federated learning on Flower.
 
-The library side: codecs (:mod:`fedcomp.codecs`), pipelines and spec strings
-(:mod:`fedcomp.pipeline`, :mod:`fedcomp.spec`), the wire format (:mod:`fedcomp.wire`),
-error feedback (:mod:`fedcomp.feedback`) and per-tensor policies
-(:mod:`fedcomp.policy`). Flower itself is only imported by :mod:`fedcomp.flower`.
+The library is in layers, each importing only those before it:
+
+* :mod:`fedcomp.codecs`: codecs, pipelines, spec strings, per-tensor policies, error
+  feedback and the wire format (numpy and zstd only: no torch, no Flower);
+* :mod:`fedcomp.privacy`: clipping, noise, accounting, DP-SGD;
+* :mod:`fedcomp.tasks`: data, models and local training (torch);
+* :mod:`fedcomp.federated`: the round on each side (aggregation, downlink, sampling,
+  server optimizer, client round, checkpoints, faults);
+* :mod:`fedcomp.config` and :mod:`fedcomp.presets`: the run configuration;
+* :mod:`fedcomp.ops`: the command line, results, sweeps, reports, deployment.
+
+Flower itself is only imported by :mod:`fedcomp.flower`, the adapter the apps in
+``clients/``, ``server/`` and ``strategies/`` use.
 
 Quick start::
 
@@ -15,12 +24,12 @@ Quick start::
 """
 
 from fedcomp.codecs.base import Codec, Encoded
+from fedcomp.codecs.feedback import EF21, ErrorFeedback, NoFeedback, make_feedback
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.policy import CompressionPolicy, EncodedUpdate, encode_update
+from fedcomp.codecs.registry import available_codecs, get_codec, register_codec
+from fedcomp.codecs.wire import ExpectedTensor, pack_payload, unpack_payload
 from fedcomp.errors import PayloadError, SpecError
-from fedcomp.feedback import EF21, ErrorFeedback, NoFeedback, make_feedback
-from fedcomp.pipeline import Pipeline
-from fedcomp.policy import CompressionPolicy, EncodedUpdate, encode_update
-from fedcomp.registry import available_codecs, get_codec, register_codec
-from fedcomp.wire import ExpectedTensor, pack_payload, unpack_payload
 
 __version__ = "0.1.0"
 

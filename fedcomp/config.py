@@ -17,22 +17,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
+from fedcomp.codecs.wire import ExpectedTensor
 from fedcomp.errors import SpecError
-from fedcomp.faults import FAULT_KINDS, AttackPlan, FaultPlan
-from fedcomp.pipeline import Pipeline
-from fedcomp.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
+from fedcomp.federated.faults import FAULT_KINDS, AttackPlan, FaultPlan
+from fedcomp.federated.robust import AggregationRule, parse_rule
 from fedcomp.presets import PRESETS
 from fedcomp.presets import expand as expand_presets
 from fedcomp.privacy.subspace import RandomSubspace
-from fedcomp.robust import AggregationRule, parse_rule
-from fedcomp.wire import ExpectedTensor
 
 __all__ = ["RunConfig", "config_key"]
 
 _CHOICES = {
     "dataset": ("digits", "fashion-mnist", "mnist1d"),
     "partitioning": ("iid", "dirichlet", "pathological"),
-    # EF21 (fedcomp.feedback.EF21) stays a library memory: a run would need the
+    # EF21 (fedcomp.codecs.feedback.EF21) stays a library memory: a run would need the
     # server to keep every client's estimate and aggregate estimates, not updates.
     "feedback": ("ef", "none"),
     "server_optimizer": ("sgd", "momentum", "adam", "yogi"),
@@ -40,8 +40,8 @@ _CHOICES = {
     "norm_action": ("reject", "clip"),
     "dp": ("none", "client", "sample"),
     "dp_accountant": ("pld", "rdp"),
-    # shared: one compressed model for all (fedcomp.downlink.Broadcaster); per-client:
-    # each client's own difference (fedcomp.downlink.PerClientBroadcaster).
+    # shared: one compressed model for all (fedcomp.federated.downlink.Broadcaster); per-client:
+    # each client's own difference (fedcomp.federated.downlink.PerClientBroadcaster).
     "downlink_mode": ("shared", "per-client"),
 }
 
@@ -300,7 +300,7 @@ class RunConfig:
         return parse_rule(self.aggregation)
 
     def influence_bounds(self) -> dict[str, float]:
-        """The norm bound and weight cap :func:`fedcomp.aggregation.aggregate_deltas`
+        """The norm bound and weight cap :func:`fedcomp.federated.aggregation.aggregate_deltas`
         applies: none under client-level DP, whose re-clipping bounds every update."""
         if self.dp == "client":
             return {"norm_bound": 0.0, "weight_cap": 0.0}
@@ -346,7 +346,7 @@ class RunConfig:
 
         Recorded in ``summary.json`` (``encoder``): the run id covers the config, this
         covers the code that turned it into bytes (see
-        :func:`fedcomp.policy.encoder_fingerprint`).
+        :func:`fedcomp.codecs.policy.encoder_fingerprint`).
         """
         return encoder_fingerprint((self.uplink_policy, self.downlink_policy),
                                    {name: tuple(shape) for name, shape in shapes.items()})

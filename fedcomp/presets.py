@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fedcomp.codecs.spec import parse_spec
 from fedcomp.errors import SpecError
-from fedcomp.spec import parse_spec
 
 __all__ = ["PRESETS", "Preset", "expand"]
 

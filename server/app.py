@@ -17,11 +17,11 @@ import torch
 from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from fedcomp.checkpoint import load_checkpoint, save_checkpoint, save_model
 from fedcomp.config import RunConfig
-from fedcomp.results import RunRecorder
+from fedcomp.federated.checkpoint import load_checkpoint, save_checkpoint, save_model
+from fedcomp.ops.results import RunRecorder
 from fedcomp.tasks import Task, check_task
-from fedcomp.training import state_arrays
+from fedcomp.tasks.training import state_arrays
 from strategies.compressed import CompressedFedAvg
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.simulation import run_simulation
 
 import clients.app as client_module
-from fedcomp.cli import FLOWER_ENV
 from fedcomp.config import RunConfig
+from fedcomp.ops.cli import FLOWER_ENV
 from server.app import run_server
 
 __all__ = ["simulate", "simulate_summary"]
@@ -58,6 +58,6 @@ def simulate(cfg: RunConfig, *, num_supernodes: int, client_app: ClientApp | Non
 
 def simulate_summary(cfg: RunConfig, num_supernodes: int, *, verbose: bool = False
                      ) -> dict[str, Any]:
-    """One simulation's summary: the runner :func:`fedcomp.sweep.run_sweep` takes."""
+    """One simulation's summary: the runner :func:`fedcomp.ops.sweep.run_sweep` takes."""
     summary, _ = simulate(cfg, num_supernodes=num_supernodes, verbose=verbose)
     return summary

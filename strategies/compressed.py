@@ -5,16 +5,16 @@ keeps its settings, summary and reply checks, but overrides the three hooks that
 differ for compressed updates:
 
 * ``configure_train``: each sampled node gets its own downlink message: the full
-  model, or only the compressed updates it missed (:class:`fedcomp.downlink.Broadcaster`),
+  model, or only the compressed updates it missed (:class:`fedcomp.federated.downlink.Broadcaster`),
   or with ``downlink-mode = "per-client"`` one compressed payload of the difference
   between the server's model and that client's replica
-  (:class:`fedcomp.downlink.PerClientBroadcaster`).
+  (:class:`fedcomp.federated.downlink.PerClientBroadcaster`).
   Nodes are sampled with the run's seeded generator rather than FedAvg's
   ``random.sample`` on the global RNG, in the order of the data partitions they
   hold (asked once per node with a ``query`` message: Flower's node ids are random
-  in every run), so the same seed trains the same clients (:mod:`fedcomp.sampling`).
+  in every run), so the same seed trains the same clients (:mod:`fedcomp.federated.sampling`).
 * ``aggregate_train``: every reply is decoded strictly; a bad one is rejected with
-  its reason and the round goes on (:func:`fedcomp.aggregation.aggregate_deltas`).
+  its reason and the round goes on (:func:`fedcomp.federated.aggregation.aggregate_deltas`).
   The example-weighted mean delta goes through the server optimizer
   (SGD/FedAvgM/FedAdam/FedYogi) and is published on the downlink.
 * ``configure_evaluate``: none; evaluation is centralized (``evaluate_fn``).
@@ -44,19 +44,19 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedcomp.aggregation import ClientReply, aggregate_deltas
-from fedcomp.averaging import ModelAverage
+from fedcomp.codecs.feedback import OutcomeLedger
 from fedcomp.config import RunConfig
-from fedcomp.downlink import Broadcaster, PerClientBroadcaster, model_digest
 from fedcomp.errors import SpecError
-from fedcomp.feedback import OutcomeLedger
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
+from fedcomp.federated.averaging import ModelAverage
+from fedcomp.federated.downlink import Broadcaster, PerClientBroadcaster, model_digest
+from fedcomp.federated.replies import ReplyError, parse_reply_metrics
+from fedcomp.federated.sampling import order_nodes, parse_partition_id, sample_nodes
+from fedcomp.federated.server_opt import ServerOptimizer
 from fedcomp.flower import downlink_to_record, outcomes_to_record, reply_parts
+from fedcomp.ops.results import RoundRecord
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import ServerPrivacy
-from fedcomp.replies import ReplyError, parse_reply_metrics
-from fedcomp.results import RoundRecord
-from fedcomp.sampling import order_nodes, parse_partition_id, sample_nodes
-from fedcomp.server_opt import ServerOptimizer
 
 __all__ = ["CompressedFedAvg", "RoundStats"]
 
@@ -206,7 +206,7 @@ class CompressedFedAvg(FedAvg):
                         "reproducible across runs", missing, len(nodes))
 
     def _parse_reply(self, node: int, content: RecordDict) -> tuple[bytes, dict[str, float], str]:
-        """A reply's payload, checked metrics and replica digest (:mod:`fedcomp.replies`).
+        """A reply's payload, checked metrics and replica digest (:mod:`fedcomp.federated.replies`).
 
         The partition the node told when it was first asked overrides the one its reply
         claims: a node cannot pass for another in the order of the sum or in another's

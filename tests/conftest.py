@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 
 # Flower phones home and installs dependencies at run time unless told not to
-# (telemetry, update checks). Set before anything imports flwr; fedcomp.cli keeps the
+# (telemetry, update checks). Set before anything imports flwr; fedcomp.ops.cli keeps the
 # one list of these variables and imports no Flower itself.
-from fedcomp.cli import FLOWER_ENV
+from fedcomp.ops.cli import FLOWER_ENV
 
 for _key, _value in FLOWER_ENV.items():
     os.environ.setdefault(_key, _value)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedcomp.aggregation import ClientReply, aggregate_deltas
-from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
 
 SHAPES = {"w": (10, 20), "b": (10,)}
 POLICY = CompressionPolicy("none")
@@ -114,14 +114,14 @@ def test_the_norm_bound_and_dp_clipping_together_bound_every_contribution(action
 
 # ------------------------------------------------------------------ hostile updates
 def _payload(values: dict, round_: int = 1) -> bytes:
-    from fedcomp.policy import CompressionPolicy
+    from fedcomp.codecs.policy import CompressionPolicy
 
     return encode_update(values, CompressionPolicy("none"), rng=np.random.default_rng(0),
                          meta={"round": round_}).payload
 
 
 def test_replies_at_the_float32_maximum_never_make_a_non_finite_aggregate():
-    from fedcomp.policy import CompressionPolicy
+    from fedcomp.codecs.policy import CompressionPolicy
 
     shapes = {"w": (4, 5)}
     big = {"w": np.full((4, 5), np.finfo(np.float32).max, np.float32)}
@@ -141,7 +141,7 @@ def test_replies_at_the_float32_maximum_never_make_a_non_finite_aggregate():
 
 
 def test_with_too_few_updates_the_norm_bound_uses_an_earlier_rounds_median():
-    from fedcomp.policy import CompressionPolicy
+    from fedcomp.codecs.policy import CompressionPolicy
 
     shapes = {"w": (4, 5)}
     honest = {"w": np.ones((4, 5), np.float32)}
@@ -157,7 +157,7 @@ def test_with_too_few_updates_the_norm_bound_uses_an_earlier_rounds_median():
 
 
 def test_an_inflated_example_count_is_cut_to_the_cap():
-    from fedcomp.policy import CompressionPolicy
+    from fedcomp.codecs.policy import CompressionPolicy
 
     shapes = {"w": (2,)}
     replies = [ClientReply(i, _payload({"w": np.array([v, v], np.float32)}), n)
@@ -170,8 +170,8 @@ def test_an_inflated_example_count_is_cut_to_the_cap():
 
 
 def test_a_robust_rule_ignores_a_minority_of_wild_updates():
-    from fedcomp.policy import CompressionPolicy
-    from fedcomp.robust import AggregationRule
+    from fedcomp.codecs.policy import CompressionPolicy
+    from fedcomp.federated.robust import AggregationRule
 
     shapes = {"w": (3,)}
     values = [1.0, 1.1, 0.9, 1e7]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.averaging import ModelAverage
+from fedcomp.federated.averaging import ModelAverage
 
 SHAPES = {"w": (4, 5), "b": (3,)}
 

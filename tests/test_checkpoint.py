@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedcomp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedcomp.federated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def test_round_trip_and_replacement(tmp_path):
@@ -30,7 +30,7 @@ def test_unreadable_or_foreign_files_are_refused(tmp_path):
 
 
 def test_a_saved_model_loads_back_with_plain_names(tmp_path):
-    from fedcomp.checkpoint import load_model, save_model
+    from fedcomp.federated.checkpoint import load_model, save_model
 
     arrays = {"fc1.weight": np.arange(6, dtype=np.float32).reshape(2, 3),
               "fc1.bias": np.ones(2, dtype=np.float32)}
@@ -68,7 +68,7 @@ def test_every_malformed_checkpoint_is_a_checkpoint_error(tmp_path, damage):
 
 @pytest.mark.parametrize("damage", [b"", b"PK\x03\x04 truncated"])
 def test_a_malformed_client_state_file_means_a_clean_start(tmp_path, damage, caplog):
-    from fedcomp.client_round import load_state_file
+    from fedcomp.federated.client_round import load_state_file
 
     path = tmp_path / "state.npz"
     path.write_bytes(damage)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from fedcomp.cli import _TableFilter
-from fedcomp.results import format_summary_table
+from fedcomp.ops.cli import _TableFilter
+from fedcomp.ops.results import format_summary_table
 
 SUMMARY = {"run_name": "run-1", "config": {"codec": "topk:ratio=0.01|quant:bits=4"},
            "rounds_completed": 20, "final_accuracy": 0.97, "best_accuracy": 0.975,
@@ -40,7 +40,7 @@ def test_a_block_that_is_not_the_table_is_let_through():
 
 
 def test_the_quiet_log_shows_round_lines_warnings_and_errors_only():
-    from fedcomp.cli import _QuietLog
+    from fedcomp.ops.cli import _QuietLog
 
     info, warning = "\x1b[92mINFO \x1b[0m:", "\x1b[93mWARNING \x1b[0m:"
     error = "\x1b[91mERROR \x1b[0m:"

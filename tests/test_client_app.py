@@ -9,10 +9,10 @@ from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 
 from clients.app import train
 from fedcomp.config import RunConfig
-from fedcomp.downlink import Broadcaster
+from fedcomp.federated.downlink import Broadcaster
 from fedcomp.flower import downlink_to_record
-from fedcomp.models import build_model
-from fedcomp.training import state_arrays
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import state_arrays
 
 CFG = RunConfig(local_steps=2, local_epochs=0)
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedcomp.client_round import ClientState, model_shapes, run_client_round
+from fedcomp.codecs.feedback import ErrorFeedback
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.config import RunConfig
-from fedcomp.data import load_partition
-from fedcomp.downlink import Broadcaster
-from fedcomp.feedback import ErrorFeedback
-from fedcomp.models import build_model
-from fedcomp.training import state_arrays
-from fedcomp.wire import unpack_payload
+from fedcomp.federated.client_round import ClientState, run_client_round
+from fedcomp.federated.downlink import Broadcaster
+from fedcomp.tasks.data import load_partition
+from fedcomp.tasks.models import build_model, model_shapes
+from fedcomp.tasks.training import state_arrays
 
 CFG = RunConfig(local_steps=2, local_epochs=0)
 

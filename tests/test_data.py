@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcomp.data import (
+from fedcomp.tasks.data import (
     DEFAULT_FASHION_DIR,
     load_dataset,
     load_fashion_mnist,
@@ -119,7 +119,7 @@ def test_load_partition_checks_the_partition_id():
 
 
 def test_dirichlet_clients_split_the_training_set_exactly_once():
-    from fedcomp.data import dirichlet_clients
+    from fedcomp.tasks.data import dirichlet_clients
 
     clients, test = dirichlet_clients("digits", 7, alpha=0.3, seed=1)
     train, same_test = load_dataset("digits", seed=1)

@@ -18,8 +18,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
-from fedcomp.cli import flower_env
-from fedcomp.deploy import (
+from fedcomp.ops.cli import flower_env
+from fedcomp.ops.deploy import (
     Certificates,
     Loopback,
     make_certificates,
@@ -112,7 +112,7 @@ def test_every_deploy_command_of_the_readme_parses_as_written():
     """The README's `fedcomp deploy` lines go through the CLI's own parser."""
     import shlex
 
-    from fedcomp.cli import build_parser
+    from fedcomp.ops.cli import build_parser
 
     text = (ROOT / "README.md").read_text().replace("\\\n", " ")
     lines = [line.strip() for line in text.splitlines()
@@ -152,7 +152,7 @@ def test_tls_deployment_with_node_auth_survives_a_supernode_restart(tmp_path):
                   "min-clients=2 round-timeout=60.0")
     with Loopback(tmp_path / "deploy", flower_env(ROOT), nodes=2) as deployment:
         runner = subprocess.Popen(
-            [sys.executable, "-m", "fedcomp.cli", "deploy", "run", "--app", str(ROOT),
+            [sys.executable, "-m", "fedcomp.ops.cli", "deploy", "run", "--app", str(ROOT),
              "--connection", deployment.connection, "--run-config", run_config,
              "--run-name", "loopback", "--results-dir", str(results)],
             env=deployment.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -213,7 +213,7 @@ def test_a_supernode_with_an_unregistered_key_is_refused(tmp_path):
 
 def test_the_cli_makes_certificates_and_connections_and_refuses_missing_certs(
         tmp_path, monkeypatch, capsys):
-    from fedcomp.cli import main
+    from fedcomp.ops.cli import main
 
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
     assert main(["deploy", "certs", "--certs", str(tmp_path / "c"), "--nodes", "1",

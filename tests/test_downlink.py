@@ -7,7 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedcomp.downlink import (
+from fedcomp.codecs.policy import CompressionPolicy
+from fedcomp.errors import PayloadError
+from fedcomp.federated.downlink import (
     Broadcaster,
     DownlinkMessage,
     PerClientBroadcaster,
@@ -15,8 +17,6 @@ from fedcomp.downlink import (
     ReplicaOutOfSync,
     model_digest,
 )
-from fedcomp.errors import PayloadError
-from fedcomp.policy import CompressionPolicy
 
 POLICY = CompressionPolicy("topk:ratio=0.1|quant:bits=4", min_numel=64)
 

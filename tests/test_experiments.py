@@ -40,7 +40,7 @@ def test_codec_benchmark_writes_one_row_per_spec_with_the_documented_keys(tmp_pa
 
 def test_offline_averages_agree_with_their_definitions():
     averaging = _load("average_offline")
-    from fedcomp.averaging import ModelAverage
+    from fedcomp.federated.averaging import ModelAverage
 
     rng = np.random.default_rng(0)
     models = [{"w": rng.normal(size=(3, 4)).astype(np.float32)} for _ in range(9)]

@@ -7,11 +7,11 @@ import collections
 import numpy as np
 import pytest
 
-from fedcomp.aggregation import ClientReply, aggregate_deltas
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.errors import PayloadError
-from fedcomp.faults import FaultPlan, tamper
-from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import unpack_payload
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
+from fedcomp.federated.faults import FaultPlan, tamper
 
 SHAPES = {"w": (40, 50), "b": (40,)}
 POLICY = CompressionPolicy("topk:ratio=0.05|quant:bits=4|zstd", min_numel=100)
@@ -75,7 +75,7 @@ def test_the_lie_fault_includes_a_zstd_bomb_that_is_rejected_cheaply():
 
 
 def test_an_attack_plan_picks_a_fixed_share_of_the_partitions():
-    from fedcomp.faults import AttackPlan
+    from fedcomp.federated.faults import AttackPlan
 
     plan = AttackPlan("signflip", 0.3, seed=7)
     attackers = plan.attackers(10)
@@ -89,9 +89,9 @@ def test_an_attack_plan_picks_a_fixed_share_of_the_partitions():
 
 
 def test_an_fltmax_payload_is_valid_and_every_float_is_the_maximum():
-    from fedcomp.faults import tamper
-    from fedcomp.policy import CompressionPolicy, encode_update
-    from fedcomp.wire import unpack_payload
+    from fedcomp.codecs.policy import CompressionPolicy, encode_update
+    from fedcomp.codecs.wire import unpack_payload
+    from fedcomp.federated.faults import tamper
 
     policy = CompressionPolicy("topk:ratio=0.1")
     shapes = {"w": (20, 30)}

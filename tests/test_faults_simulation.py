@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from fedcomp.config import RunConfig
-from fedcomp.downlink import model_digest
-from fedcomp.models import build_model
-from fedcomp.training import state_arrays
+from fedcomp.federated.downlink import model_digest
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import state_arrays
 from server.simulation import simulate
 
 pytestmark = pytest.mark.slow

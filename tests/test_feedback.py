@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedcomp.feedback import (
+from fedcomp.codecs.feedback import (
     EF21,
     EF21Estimate,
     ErrorFeedback,
@@ -16,7 +16,7 @@ from fedcomp.feedback import (
     StateMismatchError,
     make_feedback,
 )
-from fedcomp.pipeline import Pipeline
+from fedcomp.codecs.pipeline import Pipeline
 
 BIASED = ["topk:ratio=0.05", "topk:ratio=0.05|quant:bits=2", "sign", "lowrank:rank=1",
           "randk:ratio=0.1", "topk:ratio=0.01|ternary:mode=mean", "quant:bits=1"]

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
-from fedcomp.feedback import ErrorFeedback, StateMismatchError
+from fedcomp.codecs.feedback import ErrorFeedback, StateMismatchError
+from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.flower import (
     payload_from_record,
     payload_to_record,
     record_to_state,
     state_to_record,
 )
-from fedcomp.pipeline import Pipeline
 
 
 def test_feedback_state_survives_a_trip_through_context_state():

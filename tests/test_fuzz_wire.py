@@ -7,10 +7,10 @@ import tracemalloc
 
 import numpy as np
 
+from fedcomp.codecs.fuzzing import MUTATIONS, mutate
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.errors import PayloadError
-from fedcomp.fuzzing import MUTATIONS, mutate
-from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import unpack_payload
 
 SHAPES = {"conv.weight": (32, 1, 3, 3), "conv.bias": (32,), "fc.weight": (10, 2048),
           "fc.bias": (10,)}

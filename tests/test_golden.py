@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fedcomp.policy import CompressionPolicy
-from fedcomp.wire import unpack_payload
+from fedcomp.codecs.policy import CompressionPolicy
+from fedcomp.codecs.wire import unpack_payload
 
 GOLDEN = Path(__file__).parent / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
 
 
 def test_the_golden_set_covers_every_codec():
-    from fedcomp.registry import available_codecs
-    from fedcomp.spec import parse_spec
+    from fedcomp.codecs.registry import available_codecs
+    from fedcomp.codecs.spec import parse_spec
 
     used = {stage["id"] for case in MANIFEST.values()
             for spec in (case["codec"], case["small_codec"]) for stage in parse_spec(spec)}
@@ -39,7 +39,7 @@ def test_golden_payload_decodes_to_the_frozen_values(key):
 
 
 def test_the_golden_set_freezes_the_rows_index_coding():
-    from fedcomp.fuzzing import split
+    from fedcomp.codecs.fuzzing import split
 
     header, _ = split((GOLDEN / "v1-topk-rows.bin").read_bytes())
     coding = {name: tree["m"].get("ix") for name, _, _, tree in header["tensors"]}

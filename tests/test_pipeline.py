@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedcomp.codecs.base import Encoded
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.registry import get_codec
 from fedcomp.errors import PayloadError
-from fedcomp.pipeline import Pipeline
-from fedcomp.registry import get_codec
 from tests.strategies import float_arrays, transform_then_bytes_specs
 
 

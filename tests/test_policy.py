@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from fedcomp.codecs.feedback import ErrorFeedback, StateMismatchError
+from fedcomp.codecs.policy import CompressionPolicy, encode_update, parse_overrides
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.config import RunConfig
 from fedcomp.errors import PayloadError, SpecError
-from fedcomp.feedback import ErrorFeedback, StateMismatchError
-from fedcomp.policy import CompressionPolicy, encode_update, parse_overrides
-from fedcomp.wire import unpack_payload
 
 SHAPES = {"conv1.weight": (32, 1, 3, 3), "conv1.bias": (32,), "conv2.weight": (64, 32, 3, 3),
           "fc1.weight": (128, 3136), "fc2.weight": (10, 128)}
@@ -94,7 +94,7 @@ def test_the_run_config_builds_both_policies_and_names_a_bad_key():
 
 def test_the_encoder_fingerprint_follows_the_bytes_not_the_config(monkeypatch):
     from fedcomp.codecs import sparsify
-    from fedcomp.policy import encoder_fingerprint
+    from fedcomp.codecs.policy import encoder_fingerprint
 
     shapes = {"conv.weight": (8, 1, 3, 3), "conv.bias": (8,), "fc.weight": (16, 200)}
     policies = (CompressionPolicy("topk:ratio=0.05|ternary:mode=mean", min_numel=64),

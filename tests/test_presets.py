@@ -47,7 +47,7 @@ def test_the_server_optimizer_takes_a_spec_string():
 
 
 def test_fedcomp_presets_lists_every_preset_with_its_keys(capsys):
-    from fedcomp.cli import main
+    from fedcomp.ops.cli import main
 
     assert main(["presets"]) == 0
     out = capsys.readouterr().out

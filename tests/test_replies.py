@@ -11,10 +11,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fedcomp.downlink import model_digest
+from fedcomp.codecs.policy import encode_update
+from fedcomp.federated.downlink import model_digest
+from fedcomp.federated.replies import REPLY_FIELDS, ReplyError, parse_digest, parse_reply_metrics
 from fedcomp.flower import payload_to_record
-from fedcomp.policy import encode_update
-from fedcomp.replies import REPLY_FIELDS, ReplyError, parse_digest, parse_reply_metrics
 from tests.test_strategy import SHAPES, QueryingGrid
 
 HOSTILE_VALUES = [math.nan, math.inf, -math.inf, -1.0, 1e300, -1e300, 0.5, 2.0**53, True,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import json
 
-from fedcomp.results import ROUND_COLUMNS, RoundRecord, RunRecorder, format_summary_table
+from fedcomp.ops.results import ROUND_COLUMNS, RoundRecord, RunRecorder, format_summary_table
 
 
 def test_rounds_csv_and_summary_json(tmp_path):
@@ -56,7 +56,7 @@ def test_an_averaged_run_keeps_the_raw_models_accuracy_beside_it(tmp_path, capsy
 
 
 def test_clients_csv_has_a_row_per_reply_and_survives_a_resume(tmp_path):
-    from fedcomp.results import CLIENT_COLUMNS
+    from fedcomp.ops.results import CLIENT_COLUMNS
 
     recorder = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=3,
                            verbose=False)

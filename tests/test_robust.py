@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedcomp.errors import SpecError
-from fedcomp.robust import AggregationRule, parse_rule
+from fedcomp.federated.robust import AggregationRule, parse_rule
 
 
 def _updates(seed: int, honest: int, attackers: int, scale: float = 1e6):

@@ -11,7 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedcomp.config import RunConfig
-from fedcomp.sampling import MAX_PARTITION_ID, order_nodes, parse_partition_id, sample_nodes
+from fedcomp.federated.sampling import (
+    MAX_PARTITION_ID,
+    order_nodes,
+    parse_partition_id,
+    sample_nodes,
+)
 from strategies.compressed import CompressedFedAvg
 
 

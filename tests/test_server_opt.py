@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fedcomp.server_opt import ServerOptimizer
+from fedcomp.federated.server_opt import ServerOptimizer
 
 W = {"w": np.array([1.0, -2.0, 0.5], dtype=np.float32)}
 D1 = {"w": np.array([0.1, 0.2, -0.3], dtype=np.float32)}

@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 import clients.app as client_module
 from fedcomp.config import RunConfig
 from fedcomp.flower import payload_from_record
-from fedcomp.results import ROUND_COLUMNS
+from fedcomp.ops.results import ROUND_COLUMNS
 from server.simulation import simulate as run_simulation_in_process
 
 pytestmark = pytest.mark.slow
@@ -121,11 +121,11 @@ def test_saved_models_are_the_evaluated_ones_and_the_average_replays_from_them(t
     """save-model-every writes what the run evaluated; the average is their EMA."""
     import torch
 
-    from fedcomp.averaging import ModelAverage
-    from fedcomp.checkpoint import load_model
-    from fedcomp.data import load_dataset
-    from fedcomp.models import build_model
-    from fedcomp.training import evaluate
+    from fedcomp.federated.averaging import ModelAverage
+    from fedcomp.federated.checkpoint import load_model
+    from fedcomp.tasks.data import load_dataset
+    from fedcomp.tasks.models import build_model
+    from fedcomp.tasks.training import evaluate
 
     cfg = RunConfig(num_server_rounds=3, clients_per_round=2, local_steps=3, local_epochs=0,
                     server_average=0.5, save_model_every=2, results_dir=str(tmp_path),

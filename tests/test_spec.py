@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.spec import format_spec, parse_spec
 from fedcomp.errors import SpecError
-from fedcomp.pipeline import Pipeline
-from fedcomp.spec import format_spec, parse_spec
 from tests.strategies import transform_then_bytes_specs
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
-from fedcomp.downlink import model_digest
+from fedcomp.codecs.policy import encode_update
+from fedcomp.federated.downlink import model_digest
 from fedcomp.flower import payload_to_record
-from fedcomp.policy import encode_update
 from strategies.compressed import CompressedFedAvg
 from tests.conftest import STRATEGY_SHAPES
 
@@ -111,7 +111,7 @@ class QueryingGrid(FakeGrid):
 
 def test_per_client_downlink_checks_each_replica_and_forgets_what_it_cannot_know(
         make_strategy):
-    from fedcomp.downlink import Replica
+    from fedcomp.federated.downlink import Replica
     from fedcomp.flower import downlink_from_record
 
     strategy = make_strategy(downlink_codec="topk:ratio=0.1|quant:bits=4",

@@ -10,15 +10,15 @@ import pytest
 
 from fedcomp.config import RunConfig
 from fedcomp.errors import SpecError
-from fedcomp.report import (
+from fedcomp.ops.report import (
     build_report,
     bytes_to_target,
     current_encoder,
     load_runs,
     write_report,
 )
-from fedcomp.results import RoundRecord, RunRecorder
-from fedcomp.sweep import Sweep, run_sweep
+from fedcomp.ops.results import RoundRecord, RunRecorder
+from fedcomp.ops.sweep import Sweep, run_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_bytes_to_target_on_a_hand_made_rounds_file():
 
 def test_a_run_that_scores_the_printed_target_reaches_it():
     """FedAvg's best 0.9019 and 0.8951 make the target 0.8885 (not 0.8885000000000001)."""
-    from fedcomp.report import RunResult
+    from fedcomp.ops.report import RunResult
 
     def run(run_id, seed, method, accuracies):
         rounds = [{"round": i, "accuracy": a, "cum_uplink_bytes": 10 * i,
@@ -171,7 +171,7 @@ def test_report_computes_factors_against_the_uncompressed_runs_and_draws_plots(t
 
 
 def test_the_plots_draw_only_the_methods_named_each_in_its_own_style(tmp_path):
-    from fedcomp.report import _line_style, select_methods
+    from fedcomp.ops.report import _line_style, select_methods
 
     run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda m: None)
     _, methods = build_report(load_runs(tmp_path), 0.8)
@@ -243,7 +243,7 @@ def test_the_report_of_unrecorded_runs_says_so_and_of_current_ones_says_nothing(
 
 
 def test_current_encoder_is_the_run_configs_fingerprint_and_empty_for_old_configs():
-    from fedcomp.client_round import model_shapes
+    from fedcomp.tasks.models import model_shapes
 
     config = RunConfig(dataset="digits", codec="topk:ratio=0.1|ternary:mode=mean",
                        downlink_codec="topk:ratio=0.1|quant:bits=4")
@@ -256,7 +256,7 @@ def test_current_encoder_is_the_run_configs_fingerprint_and_empty_for_old_config
 
 @pytest.mark.slow
 def test_smoke_sweep_through_the_command_line(tmp_path, capsys):
-    from fedcomp.cli import main
+    from fedcomp.ops.cli import main
 
     out = tmp_path / "smoke"
     # Each run goes through `flwr run` on the local SuperLink, as `make run` does.
@@ -435,7 +435,7 @@ def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp
     # Without the flag the report is as before.
     assert "Paired by seed" not in write_report(tmp_path, target=0.8)[0]
     # A reference that is not in the sweep is an error naming it, not a traceback.
-    from fedcomp.cli import main
+    from fedcomp.ops.cli import main
 
     assert main(["report", str(tmp_path), "--paired", "--reference", "FedAvg fp16"]) == 2
     assert "'FedAvg fp16' is not in this sweep" in capsys.readouterr().err

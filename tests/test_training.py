@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedcomp.data import load_dataset
-from fedcomp.models import build_model
-from fedcomp.training import state_arrays, train_from
+from fedcomp.tasks.data import load_dataset
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import state_arrays, train_from
 
 
 def test_train_from_starts_at_the_given_state_and_leaves_it_untouched():

@@ -8,17 +8,17 @@ import struct
 import numpy as np
 import pytest
 
-from fedcomp.errors import PayloadError
-from fedcomp.fuzzing import assemble, split
-from fedcomp.pipeline import Pipeline
-from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import (
+from fedcomp.codecs.fuzzing import assemble, split
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.wire import (
     OVERHEAD_BYTES,
     ExpectedTensor,
     layout_dictionary,
     pack_payload,
     unpack_payload,
 )
+from fedcomp.errors import PayloadError
 
 SHAPES = {"conv.weight": (16, 1, 3, 3), "conv.bias": (16,), "fc.weight": (10, 400)}
 POLICY = CompressionPolicy(codec="topk:ratio=0.05|quant:bits=4", min_numel=100)
@@ -280,17 +280,17 @@ def test_an_empty_update_round_trips():
 def test_the_reference_input_has_distinct_magnitudes_so_every_top_k_agrees():
     # The layout dictionary must be byte-identical on every machine: with no two equal
     # magnitudes, any correct Top-K (whatever its tie-breaking) keeps the same support.
-    from fedcomp.wire import _reference_input
+    from fedcomp.codecs.wire import _reference_input
     values = _reference_input((1 << 20,))
     assert values.dtype == np.float32 and np.unique(np.abs(values)).size == values.size
     np.testing.assert_array_equal(_reference_input((4, 5)).ravel(), _reference_input((20,)))
 
 
 def test_a_header_bomb_is_refused_before_it_is_inflated():
-    from fedcomp.client_round import model_shapes
-    from fedcomp.fuzzing import MUTATIONS
-    from fedcomp.policy import CompressionPolicy, encode_update
-    from fedcomp.wire import header_cap
+    from fedcomp.codecs.fuzzing import MUTATIONS
+    from fedcomp.codecs.policy import CompressionPolicy, encode_update
+    from fedcomp.codecs.wire import header_cap
+    from fedcomp.tasks.models import model_shapes
 
     shapes = model_shapes("digits")
     policy = CompressionPolicy("topk:ratio=0.01|quant:bits=4")

@@ -1,4 +1,20 @@
-"""Codec families. Importing this package registers every built-in codec."""
+"""Codecs and the wire format: everything that turns a tensor into bytes and back.
+
+Numpy, zstd and the standard library only (no torch, no Flower).
+
+* codec families: :mod:`~fedcomp.codecs.sparsify`, :mod:`~fedcomp.codecs.quantize`,
+  :mod:`~fedcomp.codecs.lowrank`, :mod:`~fedcomp.codecs.lossless`,
+  :mod:`~fedcomp.codecs.identity`, on :mod:`~fedcomp.codecs.base`; index and bit
+  packing in :mod:`~fedcomp.codecs.index_coding` and :mod:`~fedcomp.codecs.bitpack`.
+* composing them: spec strings (:mod:`~fedcomp.codecs.spec`), the registry
+  (:mod:`~fedcomp.codecs.registry`), pipelines (:mod:`~fedcomp.codecs.pipeline`),
+  per-tensor policies (:mod:`~fedcomp.codecs.policy`) and error feedback
+  (:mod:`~fedcomp.codecs.feedback`).
+* the wire format (:mod:`~fedcomp.codecs.wire`) and hostile payloads to test it with
+  (:mod:`~fedcomp.codecs.fuzzing`).
+
+Importing this package registers every built-in codec.
+"""
 
 from fedcomp.codecs.base import Codec, Encoded
 from fedcomp.codecs.identity import Identity

@@ -4,7 +4,7 @@ A codec turns one float32 array into an :class:`Encoded` node and back. An encod
 node is a small tree: a codec id, a little JSON-able ``meta`` (counts, scales' chunk
 size, a seed), and named ``parts`` that are either 1-D numpy arrays (the bytes that
 travel) or nested :class:`Encoded` nodes produced by a later pipeline stage. The wire
-format (:mod:`fedcomp.wire`) serializes this tree; :mod:`fedcomp.pipeline` builds it.
+format (:mod:`fedcomp.codecs.wire`) serializes this tree; :mod:`fedcomp.codecs.pipeline` builds it.
 
 The contract, in the spirit of numcodecs' ``Codec`` ABC:
 
@@ -19,7 +19,7 @@ The contract, in the spirit of numcodecs' ``Codec`` ABC:
 
 Class flags describe what a codec promises: ``lossless`` (decode(encode(x)) == x
 exactly), ``unbiased`` (E[decode(encode(x))] == x over the rng), and ``kind``, which
-decides where the codec applies inside a pipeline (see :mod:`fedcomp.pipeline`).
+decides where the codec applies inside a pipeline (see :mod:`fedcomp.codecs.pipeline`).
 """
 
 from __future__ import annotations

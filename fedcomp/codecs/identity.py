@@ -20,7 +20,7 @@ from fedcomp.codecs.base import (
     require_parts,
     take_part,
 )
-from fedcomp.registry import register_codec
+from fedcomp.codecs.registry import register_codec
 
 __all__ = ["Identity"]
 

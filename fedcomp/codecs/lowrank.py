@@ -27,8 +27,8 @@ from fedcomp.codecs.base import (
     require_parts,
     take_part,
 )
+from fedcomp.codecs.registry import register_codec
 from fedcomp.errors import PayloadError
-from fedcomp.registry import register_codec
 
 __all__ = ["LowRank", "matrix_view_shape"]
 

@@ -41,8 +41,8 @@ from fedcomp.codecs.base import (
     take_part,
 )
 from fedcomp.codecs.bitpack import pack_uint, unpack_uint
+from fedcomp.codecs.registry import register_codec
 from fedcomp.errors import PayloadError
-from fedcomp.registry import register_codec
 
 __all__ = ["BF16", "FP16", "QSGD", "ScaledSign", "Ternary", "Uniform"]
 

@@ -7,7 +7,7 @@
 * :class:`Threshold` -- every entry with ``|x| >= value``.
 
 All are biased (they drop mass), so they should run under error feedback
-(:mod:`fedcomp.feedback`). Their kept ``values`` stay open for a following value
+(:mod:`fedcomp.codecs.feedback`). Their kept ``values`` stay open for a following value
 stage (quantization, sign, ...), and their indices are coded with the smallest of
 the schemes in :mod:`fedcomp.codecs.index_coding`.
 
@@ -43,8 +43,8 @@ from fedcomp.codecs.base import (
     take_part,
 )
 from fedcomp.codecs.index_coding import INDEX_PART_NAMES, decode_indices, encode_indices
+from fedcomp.codecs.registry import register_codec
 from fedcomp.errors import PayloadError
-from fedcomp.registry import register_codec
 
 __all__ = ["RandomK", "Threshold", "TopK", "magnitude_keys", "select_top_k"]
 

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-from fedcomp.downlink import DownlinkMessage
+from fedcomp.federated.downlink import DownlinkMessage
+from fedcomp.federated.replies import ReplyError, parse_digest
 from fedcomp.flower.interop import CompressedUplink, compression_mod
-from fedcomp.replies import ReplyError, parse_digest
 
 __all__ = [
     "PAYLOAD_KEY",
@@ -76,9 +76,9 @@ def payload_from_record(record: ConfigRecord) -> bytes:
 def reply_parts(content: RecordDict) -> tuple[bytes, dict[str, Any], str]:
     """A train reply's payload bytes, raw metrics and replica digest.
 
-    Raises :class:`~fedcomp.replies.ReplyError` when a record is missing or of the
+    Raises :class:`~fedcomp.federated.replies.ReplyError` when a record is missing or of the
     wrong kind; the metrics' values are checked by
-    :func:`~fedcomp.replies.parse_reply_metrics`.
+    :func:`~fedcomp.federated.replies.parse_reply_metrics`.
     """
     parts = {}
     for key, kind in (("update", ConfigRecord), ("metrics", MetricRecord),

@@ -38,10 +38,10 @@ from flwr.app import (
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
+from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback, StateMismatchError
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.errors import PayloadError, SpecError
-from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError
-from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import unpack_payload
 
 __all__ = ["SETTINGS_KEY", "UPDATE_KEY", "CompressedUplink", "compression_mod"]
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from fedcomp.aggregation import AggregationResult
 from fedcomp.config import RunConfig
 from fedcomp.errors import SpecError
+from fedcomp.federated.aggregation import AggregationResult
 from fedcomp.privacy.accounting import PrivacyAccountant
 from fedcomp.privacy.central import (
     AdaptiveClipping,

@@ -18,10 +18,10 @@ Flower's PyTorch quickstart ``task.py``:
     config's ``partitioning``), so that every task gets IID, Dirichlet and
     pathological splits alike.
 ``train(net, x, y, *, epochs, steps, batch_size, lr, momentum, proximal_mu, seed)`` (optional)
-    local training; returns the mean loss. Default: :func:`fedcomp.training.train`
+    local training; returns the mean loss. Default: :func:`fedcomp.tasks.training.train`
     (SGD with momentum on cross-entropy).
 ``test(net, x, y)`` (optional)
-    ``(accuracy, loss)``. Default: :func:`fedcomp.training.evaluate`.
+    ``(accuracy, loss)``. Default: :func:`fedcomp.tasks.training.evaluate`.
 
 Adding a dataset or a model is one such file. :func:`check_task` runs before round 1
 and stops a run whose task is missing something, with a message naming the module and
@@ -72,18 +72,18 @@ class Task:
             return self.module.Net()
 
     def load_data(self, data_dir: str = "", test_fraction: float = 0.2, seed: int = 0):
-        """(train, test) as :class:`fedcomp.data.ArrayDataset`, cached per process."""
+        """(train, test) as :class:`fedcomp.tasks.data.ArrayDataset`, cached per process."""
         return _load_data(self.name, data_dir, test_fraction, seed)
 
     @property
     def train(self) -> Callable[..., float]:
-        from fedcomp.training import train
+        from fedcomp.tasks.training import train
 
         return getattr(self.module, "train", train)
 
     @property
     def evaluate(self) -> Callable[..., tuple[float, float]]:
-        from fedcomp.training import evaluate
+        from fedcomp.tasks.training import evaluate
 
         return getattr(self.module, "test", evaluate)
 
@@ -116,7 +116,7 @@ def get_task(name: str) -> Task:
 
 @functools.lru_cache(maxsize=8)
 def _load_data(name: str, data_dir: str, test_fraction: float, seed: int):
-    from fedcomp.data import ArrayDataset
+    from fedcomp.tasks.data import ArrayDataset
 
     task = get_task(name)
     try:

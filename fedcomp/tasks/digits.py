@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedcomp.data import load_digits_split
+from fedcomp.tasks.data import load_digits_split
 
 
 class Net(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fedcomp.data import load_fashion_mnist
+from fedcomp.tasks.data import load_fashion_mnist
 
 
 class Net(nn.Module):

@@ -10,9 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedcomp.codecs.base import Codec
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.registry import available_codecs, codec_class, get_codec, register_codec
 from fedcomp.errors import SpecError
-from fedcomp.pipeline import Pipeline
-from fedcomp.registry import available_codecs, codec_class, get_codec, register_codec
 from tests.strategies import CODEC_PARAMS, codec_configs, float_arrays
 
 

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fedcomp.codecs.lowrank import matrix_view_shape
-from fedcomp.pipeline import Pipeline
+from fedcomp.codecs.pipeline import Pipeline
 
 
 @given(rows=st.integers(2, 40), cols=st.integers(2, 40), rank=st.integers(1, 4),

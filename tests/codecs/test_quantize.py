@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.quantize import Uniform
-from fedcomp.pipeline import Pipeline
 from tests.strategies import float_arrays
 
 

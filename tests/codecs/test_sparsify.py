@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.sparsify import TopK, select_top_k
-from fedcomp.pipeline import Pipeline
 from tests.strategies import float_arrays
 
 # Small integers as floats produce many ties, the hard case for an exact Top-K.

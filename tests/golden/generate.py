@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
 
 HERE = Path(__file__).parent
 SHAPES = {"conv.weight": [8, 1, 3, 3], "conv.bias": [8], "fc.weight": [10, 120]}

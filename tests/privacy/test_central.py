@@ -11,9 +11,11 @@ from dp_accounting.pld import pld_privacy_accountant
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedcomp.aggregation import ClientReply, aggregate_deltas
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.registry import available_codecs
+from fedcomp.codecs.spec import format_spec
 from fedcomp.config import RunConfig
-from fedcomp.policy import CompressionPolicy, encode_update
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
 from fedcomp.privacy import (
     AdaptiveClipping,
     ClientLevelDP,
@@ -25,8 +27,6 @@ from fedcomp.privacy import (
     update_norm,
 )
 from fedcomp.privacy.server import ServerPrivacy
-from fedcomp.registry import available_codecs
-from fedcomp.spec import format_spec
 from tests.strategies import CODEC_PARAMS, codec_configs
 
 SHAPES = {"w": (12, 25), "b": (12,)}

@@ -5,16 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fedcomp.models import build_model
 from fedcomp.privacy import PrivacyAccountant, RandomSubspace, SecureNoise, SeededNoise
 from fedcomp.privacy.accounting import epsilon_of
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.dpsgd import PrivacyBudgetExhausted, train_dp_sgd
-from fedcomp.training import state_arrays
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import state_arrays
 
 
 def _digits(n=64):
-    from fedcomp.data import load_dataset
+    from fedcomp.tasks.data import load_dataset
 
     train, _ = load_dataset("digits")
     return train.x[:n], train.y[:n]

@@ -8,18 +8,18 @@ import json
 import numpy as np
 import pytest
 
-from fedcomp.client_round import ClientState, dp_sgd_plan_reply, run_client_round
 from fedcomp.config import RunConfig
-from fedcomp.data import ArrayDataset, load_partition
-from fedcomp.downlink import Broadcaster
-from fedcomp.models import build_model
+from fedcomp.federated.client_round import ClientState, dp_sgd_plan_reply, run_client_round
+from fedcomp.federated.downlink import Broadcaster
+from fedcomp.ops.results import RoundRecord, RunRecorder
 from fedcomp.privacy.release import (
     DP_CLIENT_METRICS,
     RELEASED_ROUND_COLUMNS,
     RELEASED_SUMMARY_KEYS,
 )
-from fedcomp.results import RoundRecord, RunRecorder
-from fedcomp.training import state_arrays
+from fedcomp.tasks.data import ArrayDataset, load_partition
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import state_arrays
 
 
 @pytest.mark.parametrize("dp", ["client", "sample"])

@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from fedcomp.aggregation import AggregationResult
 from fedcomp.config import RunConfig
 from fedcomp.errors import SpecError
+from fedcomp.federated.aggregation import AggregationResult
 from fedcomp.privacy.server import ServerPrivacy
 
 CLIENT = RunConfig(dp="client", clients_per_round=10, dp_noise_multiplier=1.0,

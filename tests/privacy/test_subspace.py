@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fedcomp.aggregation import ClientReply, aggregate_deltas
-from fedcomp.client_round import encode_delta
+from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback
 from fedcomp.config import RunConfig
-from fedcomp.feedback import ErrorFeedback, NoFeedback
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
+from fedcomp.federated.client_round import encode_delta
 from fedcomp.privacy import RandomSubspace, update_norm
 from fedcomp.privacy.server import ServerPrivacy
 

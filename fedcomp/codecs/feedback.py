@@ -6,7 +6,7 @@ coordinates round after round, and training stalls or diverges. Error feedback
 residual and adds it to the next input, so every coordinate is eventually sent:
 after T rounds, ``sum(inputs) == sum(decoded) + residual`` exactly (it telescopes).
 
-The split follows GRACE: a codec (:class:`~fedcomp.pipeline.Pipeline`) knows nothing
+The split follows GRACE: a codec (:class:`~fedcomp.codecs.pipeline.Pipeline`) knows nothing
 of memory, and a memory object knows nothing of codecs beyond ``roundtrip``. Each
 memory exposes ``compress(name, x, pipeline, rng) -> (encoded, decoded)``:
 
@@ -34,8 +34,8 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from fedcomp.codecs.base import Encoded
-from fedcomp.pipeline import Pipeline
-from fedcomp.tensor import from_numpy, to_numpy
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.tensor import from_numpy, to_numpy
 
 __all__ = [
     "EF21",

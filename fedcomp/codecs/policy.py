@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
+from fedcomp.codecs.feedback import FeedbackMemory, NoFeedback
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.tensor import to_numpy
+from fedcomp.codecs.wire import EncodedTensor, ExpectedTensor, pack_payload
 from fedcomp.errors import SpecError
-from fedcomp.feedback import FeedbackMemory, NoFeedback
-from fedcomp.pipeline import Pipeline
-from fedcomp.tensor import to_numpy
-from fedcomp.wire import EncodedTensor, ExpectedTensor, pack_payload
 
 __all__ = ["CompressionPolicy", "EncodedUpdate", "encode_update", "encoder_fingerprint",
            "parse_overrides"]
@@ -171,7 +171,7 @@ def encode_update(
     """Compress every tensor of an update (with error feedback) into one payload.
 
     The header is compressed against the layout dictionary (names, shapes and
-    pipelines the receiver expects; see :mod:`fedcomp.wire`) unless
+    pipelines the receiver expects; see :mod:`fedcomp.codecs.wire`) unless
     ``layout_dictionary`` is false. ``selection`` gives the shapes that choose each
     tensor's pipeline where they differ from the tensors' own (see
     :meth:`CompressionPolicy.expected`).

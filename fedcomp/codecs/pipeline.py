@@ -32,10 +32,10 @@ import numpy as np
 
 from fedcomp.codecs.base import Codec, Encoded, check_float_input
 from fedcomp.codecs.identity import Identity
+from fedcomp.codecs.registry import get_codec
+from fedcomp.codecs.spec import format_spec, parse_spec
+from fedcomp.codecs.tensor import from_numpy, to_numpy
 from fedcomp.errors import PayloadError, SpecError
-from fedcomp.registry import get_codec
-from fedcomp.spec import format_spec, parse_spec
-from fedcomp.tensor import from_numpy, to_numpy
 
 __all__ = ["Identity", "Pipeline"]
 

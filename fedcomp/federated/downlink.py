@@ -41,9 +41,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedcomp.feedback import ErrorFeedback
-from fedcomp.policy import CompressionPolicy, encode_update
-from fedcomp.wire import unpack_payload
+from fedcomp.codecs.feedback import ErrorFeedback
+from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.wire import unpack_payload
 
 __all__ = [
     "Broadcaster",

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fedcomp.codecs.spec import parse_spec
 from fedcomp.errors import SpecError
-from fedcomp.spec import parse_spec
 
 __all__ = ["AggregationRule", "parse_rule"]
 

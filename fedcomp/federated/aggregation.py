@@ -1,7 +1,7 @@
 """Server side of the uplink: validate, decode and average the clients' deltas.
 
 Each reply is decoded strictly against the expected model and codec
-(:func:`fedcomp.wire.unpack_payload`). A bad reply (corrupt, hostile, for another
+(:func:`fedcomp.codecs.wire.unpack_payload`). A bad reply (corrupt, hostile, for another
 round, with a nonsensical weight) is rejected on its own, with its reason, and the
 round goes on with the others. Without bounds the weighted mean is accumulated one
 reply at a time, so memory stays at one model plus one decoded update whatever the
@@ -16,7 +16,7 @@ defaults turn the first two on: :class:`fedcomp.config.RunConfig`):
   than three) is clipped to that bound or rejected (reason ``"norm"``);
 * a weight cap: a claimed example count above ``weight_cap`` times the round's median
   claim is cut down to it;
-* a robust rule instead of the mean (:mod:`fedcomp.robust`): coordinate-wise median,
+* a robust rule instead of the mean (:mod:`fedcomp.federated.robust`): coordinate-wise median,
   trimmed mean, (multi-)Krum.
 
 Each of them holds the round's decoded updates in memory (clients per round x model
@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from fedcomp.codecs.wire import ExpectedTensor, unpack_payload
 from fedcomp.errors import PayloadError
+from fedcomp.federated.replies import MAX_EXAMPLES
+from fedcomp.federated.robust import AggregationRule
 from fedcomp.privacy.clipping import clip_update
-from fedcomp.replies import MAX_EXAMPLES
-from fedcomp.robust import AggregationRule
-from fedcomp.wire import ExpectedTensor, unpack_payload
 
 __all__ = ["AggregationResult", "ClientReply", "Rejection", "aggregate_deltas"]
 
@@ -129,7 +129,7 @@ def aggregate_deltas(
         one client claiming a billion examples cannot take over the mean.
     rule
         ``None`` or ``mean``: the weighted mean, accumulated one update at a time;
-        a robust rule (:mod:`fedcomp.robust`) holds the round's updates at once.
+        a robust rule (:mod:`fedcomp.federated.robust`) holds the round's updates at once.
 
     The sum is accumulated in float64. A decoded update with a non-finite value is
     rejected (``non-finite``); a mean that is not finite in float32 (values near the

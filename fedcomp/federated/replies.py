@@ -1,7 +1,7 @@
 """Everything a client sends besides its payload, parsed strictly.
 
 A reply's metrics, counts, ids and DP fields come over the network: as untrusted as
-the payload, which :func:`fedcomp.wire.unpack_payload` decodes strictly. Before this
+the payload, which :func:`fedcomp.codecs.wire.unpack_payload` decodes strictly. Before this
 module, one reply whose ``partition-id`` was NaN, whose ``num-examples`` was a list, or
 whose ``dp-sample-rate`` was NaN (an accountant that never returned) could stop the
 server. :func:`parse_reply_metrics` checks every known field for type, finiteness and
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from fedcomp.sampling import MAX_PARTITION_ID
+from fedcomp.federated.sampling import MAX_PARTITION_ID
 
 __all__ = ["MAX_DIGEST_LENGTH", "MAX_EXAMPLES", "REPLY_FIELDS", "ReplyError", "parse_digest",
            "parse_reply_metrics"]
 
 #: Largest example count a client may claim at all (its weight in the mean is capped
-#: further, relative to the round's median: :func:`fedcomp.aggregation.aggregate_deltas`).
+#: further, relative to the round's median: :func:`fedcomp.federated.aggregation.aggregate_deltas`).
 MAX_EXAMPLES = 1e9
 #: Longest replica digest accepted (a SHA-256 hex digest is 64 characters).
 MAX_DIGEST_LENGTH = 128

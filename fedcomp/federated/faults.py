@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from fedcomp.fuzzing import assemble, split
+from fedcomp.codecs.fuzzing import assemble, split
 
 __all__ = ["ATTACK_KINDS", "FAULT_KINDS", "INFLATED_EXAMPLES", "POISON_SCALE", "AttackPlan",
            "FaultPlan", "InjectedFault", "tamper"]

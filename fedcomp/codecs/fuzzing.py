@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from fedcomp.wire import MAGIC, known_layout_dictionary
+from fedcomp.codecs.wire import MAGIC, known_layout_dictionary
 
 __all__ = ["MUTATIONS", "assemble", "mutate", "split"]
 

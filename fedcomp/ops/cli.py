@@ -55,7 +55,7 @@ def flower_env(project: Path) -> dict[str, str]:
 
 
 def _flwr() -> str:
-    from fedcomp.deploy import flower_tool
+    from fedcomp.ops.deploy import flower_tool
 
     return flower_tool("flwr")
 
@@ -109,7 +109,7 @@ def _flower_run(project: Path, connection: str, run_config: str, *, federation: 
 def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
              summary_required: bool) -> int:
     """``flwr run``, stream its log, then demand the status ``finished:completed``."""
-    from fedcomp.results import FP32_NOTE, format_summary_table
+    from fedcomp.ops.results import FP32_NOTE, format_summary_table
 
     results_dir = Path(args.results_dir).resolve()
     run_name = args.run_name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -247,7 +247,7 @@ def _exec(argv: list[str], env: dict[str, str]) -> int:
 
 
 def deploy(args: argparse.Namespace) -> int:
-    from fedcomp import deploy as dep
+    from fedcomp.ops import deploy as dep
 
     project = Path(args.app).resolve() if hasattr(args, "app") else Path.cwd()
     env = flower_env(project)
@@ -290,8 +290,8 @@ def deploy(args: argparse.Namespace) -> int:
 
 
 def sweep(args: argparse.Namespace) -> int:
-    from fedcomp.report import encoder_of
-    from fedcomp.sweep import Sweep, run_sweep
+    from fedcomp.ops.report import encoder_of
+    from fedcomp.ops.sweep import Sweep, run_sweep
 
     plan = Sweep.load(args.file)
     print(f"sweep {plan.name}: {len(plan.runs)} runs x {plan.num_supernodes} clients -> "
@@ -307,7 +307,7 @@ def sweep(args: argparse.Namespace) -> int:
 
 def flower_runner(app: Path, *, connection: str = "local", cpus_per_client: float = 1.0,
                   verbose: bool = False):
-    """A runner for :func:`fedcomp.sweep.run_sweep`: each run through ``flwr run`` on
+    """A runner for :func:`fedcomp.ops.sweep.run_sweep`: each run through ``flwr run`` on
     the local SuperLink, as ``fedcomp simulate`` runs it, with the run's whole config
     in a TOML file. It returns the run's summary and raises if the run failed."""
     import tempfile
@@ -336,7 +336,7 @@ def flower_runner(app: Path, *, connection: str = "local", cpus_per_client: floa
 
 
 def report(args: argparse.Namespace) -> int:
-    from fedcomp.report import current_encoder, write_report
+    from fedcomp.ops.report import current_encoder, write_report
 
     try:
         table, paths = write_report(args.dir, args.target, args.extra_target, args.at_round,

@@ -460,7 +460,7 @@ def encoder_of(config: RunConfig) -> str:
            config.downlink_policy.description)
     if key not in _ENCODERS:
         # Imported here: the report's tables need no torch model, the fingerprint does.
-        from fedcomp.client_round import model_shapes
+        from fedcomp.tasks.models import model_shapes
 
         _ENCODERS[key] = config.encoder_fingerprint(model_shapes(config.task_name))
     return _ENCODERS[key]

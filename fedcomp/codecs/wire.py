@@ -41,7 +41,7 @@ payload with reason ``codec`` instead of reading a garbled header.
 Decoding (:func:`unpack_payload`) treats the bytes as hostile: sizes are checked
 before anything is allocated, the total must match to the byte, the checksum must
 hold, JSON is parsed with duplicate keys, NaN and Infinity refused, and the tree is
-decoded by the receiver's expected pipeline (see :mod:`fedcomp.pipeline`). Every
+decoded by the receiver's expected pipeline (see :mod:`fedcomp.codecs.pipeline`). Every
 problem raises :class:`~fedcomp.errors.PayloadError` and nothing else.
 """
 
@@ -61,9 +61,9 @@ import zstandard
 
 from fedcomp.codecs.base import MAX_NDIM, Encoded
 from fedcomp.codecs.lossless import LEAF_DTYPES
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.spec import MAX_STAGES
 from fedcomp.errors import PayloadError, SpecError
-from fedcomp.pipeline import Pipeline
-from fedcomp.spec import MAX_STAGES
 
 __all__ = [
     "FORMAT_VERSION",
@@ -234,7 +234,7 @@ def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTen
 
 def known_layout_dictionary(check: int) -> LayoutDictionary | None:
     """A layout dictionary built in this process with this check (test tooling only:
-    :mod:`fedcomp.fuzzing` re-frames payloads without knowing their layout)."""
+    :mod:`fedcomp.codecs.fuzzing` re-frames payloads without knowing their layout)."""
     return next((d for d in _BUILT.values() if d.check == check), None)
 
 

@@ -25,20 +25,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedcomp.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
+from fedcomp.codecs.policy import EncodedUpdate, encode_update
+from fedcomp.codecs.wire import unpack_payload
 from fedcomp.config import RunConfig
-from fedcomp.data import ArrayDataset
-from fedcomp.downlink import DownlinkMessage, Replica, model_digest
 from fedcomp.errors import PayloadError
-from fedcomp.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
-from fedcomp.models import build_model
-from fedcomp.policy import EncodedUpdate, encode_update
+from fedcomp.federated.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from fedcomp.federated.downlink import DownlinkMessage, Replica, model_digest
 from fedcomp.privacy import PrivacyAccountant, clip_update, noise_source, update_norm
 from fedcomp.privacy.accounting import dp_sgd_plan
 from fedcomp.privacy.release import released_client_metrics
 from fedcomp.tasks import get_task
-from fedcomp.training import state_arrays
-from fedcomp.wire import unpack_payload
+from fedcomp.tasks.data import ArrayDataset
+from fedcomp.tasks.models import build_model, model_shapes
+from fedcomp.tasks.training import state_arrays
 
 __all__ = ["ClientResult", "ClientState", "encode_delta", "load_state_file", "model_shapes",
            "run_client_round", "save_state_file", "saved_replica_digest", "settle_unconfirmed",
@@ -50,11 +50,6 @@ _REPLICA_PREFIX = "replica/"
 _ROUND_KEY = "replica-round"
 _UNCONFIRMED_PAYLOAD_KEY = "payload"
 _UNCONFIRMED_ROUND_KEY = "round"
-
-
-def model_shapes(dataset: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of the model used for ``dataset``."""
-    return {k: tuple(v.shape) for k, v in build_model(dataset, seed=0).state_dict().items()}
 
 
 @dataclass
@@ -215,7 +210,7 @@ def encode_delta(cfg: RunConfig, feedback: Any, delta: Mapping[str, np.ndarray],
                  shapes: Mapping[str, tuple[int, ...]]) -> tuple[EncodedUpdate, dict[str, float]]:
     """Encode a client's delta into the round's payload; return it and any DP metric.
 
-    The plain path is :func:`fedcomp.policy.encode_update` with the error-feedback
+    The plain path is :func:`fedcomp.codecs.policy.encode_update` with the error-feedback
     memory. Under ``dp = "client"`` or with a shared subspace the compensated update is
     transformed as a whole before coding: ``u = delta + residual``, restricted to the
     round's subspace, clipped to ``clip_norm`` (client-level DP), then coded. The new
@@ -295,7 +290,7 @@ def run_client_round(
 
     Raises
     ------
-    fedcomp.downlink.ReplicaOutOfSync
+    fedcomp.federated.downlink.ReplicaOutOfSync
         If the message cannot bring the replica up to date (the server then sends
         the full model next time).
     fedcomp.errors.PayloadError

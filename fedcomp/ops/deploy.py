@@ -4,7 +4,7 @@ One SuperLink serves the run; one SuperNode per client machine trains on that
 machine's partition. Nothing is insecure by default: the SuperLink speaks TLS with a
 certificate from our own CA and admits only SuperNodes whose public keys were
 registered (``--enable-supernode-auth``). This module builds the files and argument
-lists; it starts nothing itself (``fedcomp deploy ...`` in :mod:`fedcomp.cli` does),
+lists; it starts nothing itself (``fedcomp deploy ...`` in :mod:`fedcomp.ops.cli` does),
 so it is tested without Flower running.
 
 Keys and certificates are made with ``cryptography`` (already a dependency of
@@ -292,7 +292,7 @@ class Loopback:
     workdir
         Folder for certificates, FLWR_HOME, node state, logs.
     env
-        Environment for the Flower processes (:func:`fedcomp.cli.flower_env`);
+        Environment for the Flower processes (:func:`fedcomp.ops.cli.flower_env`);
         ``FLWR_HOME`` is set to ``workdir/flwr-home``.
     nodes
         How many SuperNodes; node ``i`` trains on partition ``i`` of ``nodes``. Their
