@@ -3,7 +3,9 @@
 Thin by design: the round's logic is :func:`fedcomp.federated.client_round.run_client_round`;
 this file reads the message and the node's config, restores the client's state from
 ``context.state`` (never module globals: Ray reuses processes across virtual
-clients), and packs the reply.
+clients), and packs the reply. Injected faults and attacks (``fault-*``, ``attack``:
+experiments only) that happen around a round are a mod, :func:`misbehave`; the two
+that change what is trained (flipped labels, a scaled delta) are passed to the round.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from logging import INFO
 
 import numpy as np
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.mod import message_size_mod
 from flwr.common.logger import log as flwr_log
@@ -22,22 +24,23 @@ from fedcomp.federated.client_round import (
     ClientState,
     dp_sgd_plan_reply,
     load_state_file,
-    model_shapes,
     run_client_round,
     save_state_file,
     saved_replica_digest,
     state_file,
 )
 from fedcomp.federated.downlink import Replica, ReplicaOutOfSync
-from fedcomp.federated.faults import INFLATED_EXAMPLES, POISON_SCALE, InjectedFault, tamper
+from fedcomp.federated.faults import ClientMisbehaviour, InjectedFault, misbehaviour, tamper
 from fedcomp.flower import (
     downlink_from_record,
     load_client_state,
     outcomes_from_record,
+    payload_from_record,
     payload_to_record,
     save_client_state,
 )
 from fedcomp.tasks.data import ArrayDataset, load_partition
+from fedcomp.tasks.models import model_shapes
 
 
 def _message_size(msg: Message, context: Context, call_next):
@@ -47,7 +50,46 @@ def _message_size(msg: Message, context: Context, call_next):
     return call_next(msg, context)
 
 
-app = ClientApp(mods=[_message_size])
+def _misbehaviour(msg: Message, context: Context) -> ClientMisbehaviour:
+    """What the run's fault and attack plans make this node do in this train round."""
+    settings = dict(msg.content["config"])
+    server_round = int(settings.pop("server-round"))
+    settings.pop("dp-clip-current", None)
+    cfg = RunConfig.from_mapping(settings)
+    return misbehaviour(cfg.fault_plan, cfg.attack_plan, server_round=server_round,
+                        partition_id=int(context.node_config["partition-id"]),
+                        num_partitions=int(context.node_config["num-partitions"]),
+                        round_timeout=cfg.round_timeout)
+
+
+def misbehave(msg: Message, context: Context, call_next) -> Message:
+    """Play the faults and attacks around a train round: drop out before it; after it,
+    sleep past the timeout, tamper with the payload, lie about the example count."""
+    if msg.metadata.message_type != MessageType.TRAIN:
+        return call_next(msg, context)
+    plan = _misbehaviour(msg, context)
+    if plan.drop_out:
+        raise InjectedFault(f"injected dropout (round "
+                            f"{msg.content['config']['server-round']}, partition "
+                            f"{context.node_config['partition-id']})")
+    reply = call_next(msg, context)
+    if plan.honest or reply.has_error():
+        return reply
+    time.sleep(plan.delay_s)
+    if plan.tamper:
+        payload = payload_from_record(reply.content["update"])
+        rng = np.random.default_rng([int(msg.content["config"]["server-round"]),
+                                     int(context.node_config["partition-id"])])
+        for kind in plan.tamper:
+            payload = tamper(kind, payload, rng)
+        reply.content["update"] = payload_to_record(payload)
+    metrics = reply.content["metrics"]
+    if plan.examples is not None and "num-examples" in metrics:
+        metrics["num-examples"] = plan.examples
+    return reply
+
+
+app = ClientApp(mods=[_message_size, misbehave])
 
 
 @app.query()
@@ -102,14 +144,10 @@ def train(msg: Message, context: Context) -> Message:
     cfg = RunConfig.from_mapping(settings)
     partition_id = int(context.node_config["partition-id"])
     data = _load_data(cfg, context)
-    fault = cfg.fault_plan.draw(server_round, partition_id)  # None unless fault-* > 0
-    attack = cfg.attack_plan.attack(partition_id, int(context.node_config["num-partitions"]))
-    if attack == "labelflip":
+    # The attacks that change what this client trains (the rest are misbehave's).
+    plan = _misbehaviour(msg, context)
+    if plan.flip_labels:
         data = ArrayDataset(data.x, (9 - data.y) % 10)
-    scale = {"poison": POISON_SCALE}.get(fault) or {"scale": POISON_SCALE,
-                                                   "signflip": -1.0}.get(attack, 1.0)
-    if fault == "dropout":
-        raise InjectedFault(f"injected dropout (round {server_round}, partition {partition_id})")
     # State lives in context.state; with a node-config `state-dir` it is also kept on
     # disk, so that a restarted SuperNode (whose context.state is empty) carries on.
     saved, state_path, from_file = _load_saved(context, partition_id)
@@ -123,7 +161,7 @@ def train(msg: Message, context: Context) -> Message:
                     if "outcomes" in msg.content else None)
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
                                   data, server_round=server_round, client_seed=partition_id,
-                                  delta_scale=scale,
+                                  delta_scale=plan.delta_scale,
                                   clip_norm=None if clip_now is None else float(clip_now),
                                   outcomes=outcomes)
     except ReplicaOutOfSync:
@@ -131,18 +169,9 @@ def train(msg: Message, context: Context) -> Message:
         _save(context, state, state_path, partition_id, server_round)
         raise
     _save(context, state, state_path, partition_id, server_round)
-    payload = result.payload
-    if fault == "straggler":
-        time.sleep(cfg.round_timeout + 1.0)
-    elif fault in ("corrupt", "lie", "nonfinite", "stale"):
-        payload = tamper(fault, payload, np.random.default_rng([server_round, partition_id]))
-    if attack == "fltmax":
-        payload = tamper(attack, payload, np.random.default_rng([server_round, partition_id]))
     metrics = {**result.metrics, "state-from-file": float(from_file)}
-    if attack == "inflate" and "num-examples" in metrics:
-        metrics["num-examples"] = INFLATED_EXAMPLES
     content = RecordDict({
-        "update": payload_to_record(payload),
+        "update": payload_to_record(result.payload),
         "metrics": MetricRecord(metrics),
         "replica": ConfigRecord({"digest": result.replica_digest}),
     })

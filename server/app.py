@@ -116,7 +116,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
         "skipped_rounds": {str(r): s.skipped for r, s in sorted(strategy.stats.items())
                            if s.skipped},
         "resumed_after_round": done,
-        **(strategy.privacy.summary() if strategy.privacy is not None else {"epsilon": None}),
+        **strategy.privacy.summary(),
         "stopped_early": strategy.stopped,
         "encoder": cfg.encoder_fingerprint({k: v.shape for k, v in initial.items()}),
     }

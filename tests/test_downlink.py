@@ -13,8 +13,10 @@ from fedcomp.federated.downlink import (
     Broadcaster,
     DownlinkMessage,
     PerClientBroadcaster,
+    Recipient,
     Replica,
     ReplicaOutOfSync,
+    make_downlink,
     model_digest,
 )
 
@@ -222,12 +224,36 @@ def test_a_stale_or_foreign_replica_refuses_a_catch_up_and_the_full_model_recove
 def test_a_reconnecting_client_keeps_its_catch_up_only_if_it_holds_the_replica():
     rng, _, server, replica = _server_and_a_synced_client(3)
     server.publish(_moved(server, rng))
-    server.reconcile("a", model_digest(replica.model))
-    assert server.message_for("a", stream=0, shared_init=True).kind == "catchup"
-    server.reconcile("a", "")  # restarted without its state
-    assert server.message_for("a", stream=0, shared_init=True).kind == "full"
-    server.reconcile("never-seen", "")  # a first contact stays a first contact
-    assert server.message_for("never-seen", stream=1, shared_init=True).kind == "catchup"
+    a, new = Recipient(node=7, key="a", stream=0), Recipient(node=8, key="never-seen", stream=1)
+    server.reconcile(a, model_digest(replica.model))
+    assert server.send(a).kind == "catchup"
+    server.reconcile(a, "")  # restarted without its state
+    assert server.send(a).kind == "full"
+    server.reconcile(new, "")  # a first contact stays a first contact
+    assert server.send(new).kind == "catchup"
+
+
+def test_both_downlinks_answer_the_same_questions_about_a_client():
+    """The strategy drives either through one interface: what a node that did not
+    answer or that failed gets next."""
+    rng = np.random.default_rng(0)
+    initial = {"w": rng.standard_normal((40, 30)).astype(np.float32)}
+    who = Recipient(node=3, key="partition-0", stream=0)
+    for mode in ("shared", "per-client"):
+        server = make_downlink(mode, initial, POLICY, history=10, seed=0, shared_init=True)
+        assert server.per_client == (mode == "per-client")
+        first = server.send(who)
+        assert first.kind in ("delta", "catchup") and server.digest_for(who)
+        server.applied(who)
+        server.publish({"w": initial["w"] + 0.1})
+        # No reply: the shared downlink keeps its lower bound (the missed update is
+        # enough); the per-client one cannot know the replica: the full model.
+        server.unconfirmed(who)
+        assert server.send(who).kind == ("full" if server.per_client else "delta")
+        # A failed node may hold anything: the full model, whichever the downlink.
+        server.failed(who)
+        assert server.send(who).kind == "full"
+        assert server.digest_for(who) == model_digest(server.model)
 
 
 def test_a_corrupted_or_misrouted_catch_up_is_rejected_and_leaves_the_replica():

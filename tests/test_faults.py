@@ -11,7 +11,15 @@ from fedcomp.codecs.policy import CompressionPolicy, encode_update
 from fedcomp.codecs.wire import unpack_payload
 from fedcomp.errors import PayloadError
 from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
-from fedcomp.federated.faults import FaultPlan, tamper
+from fedcomp.federated.faults import (
+    INFLATED_EXAMPLES,
+    POISON_SCALE,
+    AttackPlan,
+    ClientMisbehaviour,
+    FaultPlan,
+    misbehaviour,
+    tamper,
+)
 
 SHAPES = {"w": (40, 50), "b": (40,)}
 POLICY = CompressionPolicy("topk:ratio=0.05|quant:bits=4|zstd", min_numel=100)
@@ -102,3 +110,26 @@ def test_an_fltmax_payload_is_valid_and_every_float_is_the_maximum():
     values = unpack_payload(hostile, expected=policy.expected(shapes)).tensors["w"]
     assert np.count_nonzero(values) >= 60  # at least the Top-K values ...
     assert (values[values != 0] == np.finfo(np.float32).max).all()  # ... all at the maximum
+
+
+def test_each_fault_and_attack_lands_where_the_client_app_plays_it():
+    def plan(faults=None, attack="none", partition=0):
+        return misbehaviour(FaultPlan(faults or {}, seed=1), AttackPlan(attack, 0.5, seed=1),
+                            server_round=3, partition_id=partition, num_partitions=2,
+                            round_timeout=10.0)
+
+    attacker = next(iter(AttackPlan("scale", 0.5, seed=1).attackers(2)))
+    assert plan() == ClientMisbehaviour() and plan().honest
+    assert plan(attack="scale", partition=1 - attacker).honest  # an honest client
+    # Around the round (the mod): drop out, be late, tamper, lie about the count.
+    assert plan({"dropout": 1.0}).drop_out
+    assert plan({"straggler": 1.0}).delay_s > 10.0
+    assert plan({"corrupt": 1.0}).tamper == ("corrupt",)
+    assert plan({"stale": 1.0}, attack="fltmax", partition=attacker).tamper == (
+        "stale", "fltmax")
+    assert plan(attack="inflate", partition=attacker).examples == INFLATED_EXAMPLES
+    # Inside it (the round): what is trained and how the delta is scaled.
+    assert plan(attack="labelflip", partition=attacker).flip_labels
+    assert plan(attack="signflip", partition=attacker).delta_scale == -1.0
+    assert plan({"poison": 1.0}).delta_scale == plan(
+        attack="scale", partition=attacker).delta_scale == POISON_SCALE

@@ -298,46 +298,11 @@ def run_client_round(
     """
     torch.set_num_threads(1)  # two threads per client collapse when clients share 2 cores
     shapes = model_shapes(cfg.task_name)
-    # Built once: its round-0 weights seed an empty replica (shared-init), or a
-    # per-client catch-up the server sends from round 0 (a node it has not seen, such
-    # as a restarted one), then it takes the replica's weights for training.
-    model = build_model(cfg.task_name, seed=cfg.seed)
-    sync_start = time.perf_counter()
-    initial = (state_arrays(model) if cfg.shared_init and (
-        state.replica.model is None or message.kind == "catchup") else None)
-    state.replica.apply(message, shapes, cfg.downlink_policy, initial)
-    sync_s = time.perf_counter() - sync_start
-    assert state.replica.model is not None
+    model, sync_s = _sync_replica(cfg, state, message, shapes)
     replica_digest = model_digest(state.replica.model)
-
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.replica.model.items()})
-    start = time.perf_counter()
-    train_seed = client_seed * 100_003 + server_round
-    dp_metrics: dict[str, float] = {}
-    loss = math.nan
-    if cfg.dp == "sample":
-        from fedcomp.privacy.dpsgd import train_dp_sgd  # torch and Opacus only when needed
-
-        subspace = cfg.subspace(server_round)
-        accountant = PrivacyAccountant(cfg.dp_accountant, list(state.dp_history))
-        rate, steps_taken = train_dp_sgd(
-            model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
-            batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-            noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_clip_norm,
-            accountant=accountant, delta=cfg.dp_delta,
-            noise=noise_source(cfg.dp_reproducible_noise,
-                               [cfg.seed, client_seed, server_round, 0xD5]),
-            target_epsilon=cfg.dp_target_epsilon,
-            masks=subspace.masks(shapes) if subspace is not None else None)
-        state.dp_history = list(accountant.history)
-        # The server replays these in its own accountant (SampleLevelBudget).
-        dp_metrics.update({"dp-sample-rate": rate, "dp-steps": float(steps_taken)})
-    else:
-        loss = get_task(cfg.task_name).train(
-            model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
-            batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
-            proximal_mu=cfg.proximal_mu, seed=train_seed)
-    train_s = time.perf_counter() - start
+    loss, train_s, dp_metrics = _train_locally(cfg, state, model, data, shapes,
+                                               server_round=server_round,
+                                               client_seed=client_seed)
     after = state_arrays(model)
     delta = {k: after[k] - v for k, v in state.replica.model.items()}
     feedback = state.feedback
@@ -375,3 +340,56 @@ def run_client_round(
     if cfg.dp != "none":  # nothing measured on the client's data leaves it un-noised
         metrics = released_client_metrics(metrics)
     return ClientResult(update.payload, metrics, replica_digest)
+
+
+def _sync_replica(cfg: RunConfig, state: ClientState, message: DownlinkMessage,
+                  shapes: Mapping[str, tuple[int, ...]]) -> tuple[Any, float]:
+    """Apply the downlink message to the replica; return the model, loaded with the
+    replica's weights, and the seconds it took.
+
+    The model is built once: its round-0 weights seed an empty replica (shared-init),
+    or a per-client catch-up the server sends from round 0 (a node it has not seen,
+    such as a restarted one), then it takes the replica's weights for training.
+    """
+    model = build_model(cfg.task_name, seed=cfg.seed)
+    start = time.perf_counter()
+    initial = (state_arrays(model) if cfg.shared_init and (
+        state.replica.model is None or message.kind == "catchup") else None)
+    state.replica.apply(message, shapes, cfg.downlink_policy, initial)
+    sync_s = time.perf_counter() - start
+    assert state.replica.model is not None
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.replica.model.items()})
+    return model, sync_s
+
+
+def _train_locally(cfg: RunConfig, state: ClientState, model: Any, data: ArrayDataset,
+                   shapes: Mapping[str, tuple[int, ...]], *, server_round: int,
+                   client_seed: int) -> tuple[float, float, dict[str, float]]:
+    """Train ``model`` on the client's data; return the loss (NaN under DP-SGD), the
+    seconds it took and, under ``dp = "sample"``, the DP-SGD figures the server
+    replays in its accountant."""
+    start = time.perf_counter()
+    dp_metrics: dict[str, float] = {}
+    loss = math.nan
+    if cfg.dp == "sample":
+        from fedcomp.privacy.dpsgd import train_dp_sgd  # torch and Opacus only when needed
+
+        subspace = cfg.subspace(server_round)
+        accountant = PrivacyAccountant(cfg.dp_accountant, list(state.dp_history))
+        rate, steps_taken = train_dp_sgd(
+            model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
+            batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+            noise_multiplier=cfg.dp_noise_multiplier, max_grad_norm=cfg.dp_clip_norm,
+            accountant=accountant, delta=cfg.dp_delta,
+            noise=noise_source(cfg.dp_reproducible_noise,
+                               [cfg.seed, client_seed, server_round, 0xD5]),
+            target_epsilon=cfg.dp_target_epsilon,
+            masks=subspace.masks(shapes) if subspace is not None else None)
+        state.dp_history = list(accountant.history)
+        dp_metrics.update({"dp-sample-rate": rate, "dp-steps": float(steps_taken)})
+    else:
+        loss = get_task(cfg.task_name).train(
+            model, data.x, data.y, epochs=cfg.local_epochs, steps=cfg.local_steps,
+            batch_size=cfg.batch_size, lr=cfg.lr, momentum=cfg.momentum,
+            proximal_mu=cfg.proximal_mu, seed=client_seed * 100_003 + server_round)
+    return loss, time.perf_counter() - start, dp_metrics

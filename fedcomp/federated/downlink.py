@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -47,10 +48,13 @@ from fedcomp.codecs.wire import unpack_payload
 
 __all__ = [
     "Broadcaster",
+    "Downlink",
     "DownlinkMessage",
     "PerClientBroadcaster",
+    "Recipient",
     "Replica",
     "ReplicaOutOfSync",
+    "make_downlink",
     "model_digest",
 ]
 
@@ -93,6 +97,67 @@ class DownlinkMessage:
         return sum(len(p) for p in self.payloads)
 
 
+@dataclass(frozen=True)
+class Recipient:
+    """Who a downlink message goes to.
+
+    ``node`` is Flower's node id, which changes when a node restarts; ``key`` names the
+    client across restarts (its data partition where known); ``stream`` numbers the
+    codec's random stream for it.
+    """
+
+    node: int
+    key: str
+    stream: int
+
+
+class Downlink(Protocol):
+    """What the strategy needs of a downlink, shared or per client.
+
+    The server's model is :attr:`model`; :meth:`publish` moves it. For each sampled
+    client the strategy asks :meth:`send` for its message and :meth:`digest_for` for
+    the replica digest the client must report back, then tells the downlink what came
+    of it: :meth:`applied` (a reply in sync), :meth:`unconfirmed` (no reply, or one
+    that cannot be trusted about the replica) or :meth:`failed` (the client reported
+    an error: it may hold anything).
+    """
+
+    model: dict[str, np.ndarray]
+    round: int
+    #: Whether the downlink keeps a replica per client (then ``key`` must outlive
+    #: node ids: the strategy learns each node's partition first).
+    per_client: bool
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def publish(self, target: Mapping[str, np.ndarray]) -> int: ...
+
+    def send(self, who: Recipient) -> DownlinkMessage: ...
+
+    def digest_for(self, who: Recipient) -> str: ...
+
+    def applied(self, who: Recipient) -> None: ...
+
+    def unconfirmed(self, who: Recipient) -> None: ...
+
+    def failed(self, who: Recipient) -> None: ...
+
+    def reconcile(self, who: Recipient, held_digest: str) -> None: ...
+
+    def state_dict(self) -> tuple[dict[str, np.ndarray], dict]: ...
+
+    def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None: ...
+
+
+def make_downlink(mode: str, model: Mapping[str, np.ndarray], policy: CompressionPolicy, *,
+                  history: int, seed: int, shared_init: bool) -> Downlink:
+    """The downlink of ``downlink-mode`` ``mode`` (``"shared"`` or ``"per-client"``)."""
+    if mode == "per-client":
+        return PerClientBroadcaster(model, policy, seed=seed, shared_init=shared_init)
+    return Broadcaster(model, policy, history=history, seed=seed, shared_init=shared_init)
+
+
 @dataclass
 class Broadcaster:
     """Server side of the downlink: the shared model and the updates that built it."""
@@ -101,16 +166,46 @@ class Broadcaster:
     policy: CompressionPolicy
     history: int = 1000
     seed: int = 0
+    #: A client never seen builds the round-0 model from the seed (else: full model).
+    shared_init: bool = True
     round: int = 0
     updates: dict[int, bytes] = field(default_factory=dict)
+    #: The round each node's replica is known to be at (a lower bound; -1: unknown).
+    node_rounds: dict[int, int] = field(default_factory=dict)
+    per_client = False
 
     def __post_init__(self) -> None:
         self.model = {k: np.array(v, dtype=np.float32) for k, v in self.model.items()}
         self.feedback = ErrorFeedback(self.policy.description)
         self.rng = np.random.default_rng([self.seed, 0xD0])
         self._full: tuple[int, bytes] | None = None
+        self._digest: tuple[int, str] | None = None
         #: Digest of the round-0 model, for clients that build it from the seed.
         self.initial_digest = model_digest(self.model)
+
+    # The Downlink interface: clients are nodes; a replica round is a lower bound, so
+    # a node that did not answer keeps it (a stale replica refuses the updates it is
+    # sent and gets the full model), and only a node that failed loses it.
+    def send(self, who: Recipient) -> DownlinkMessage:
+        return self.message_for(self.node_rounds.get(who.node,
+                                                     0 if self.shared_init else -1))
+
+    def digest_for(self, who: Recipient) -> str:
+        if self._digest is None or self._digest[0] != self.round:
+            self._digest = (self.round, model_digest(self.model))
+        return self._digest[1]
+
+    def applied(self, who: Recipient) -> None:
+        self.node_rounds[who.node] = self.round
+
+    def unconfirmed(self, who: Recipient) -> None:
+        pass
+
+    def failed(self, who: Recipient) -> None:
+        self.node_rounds[who.node] = -1
+
+    def reconcile(self, who: Recipient, held_digest: str) -> None:
+        pass
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -148,7 +243,8 @@ class Broadcaster:
         arrays.update({f"dl-update/{r}": np.frombuffer(p, dtype=np.uint8)
                        for r, p in self.updates.items()})
         meta = {"downlink_round": self.round, "initial_digest": self.initial_digest,
-                "downlink_rng": self.rng.bit_generator.state}
+                "downlink_rng": self.rng.bit_generator.state,
+                "node_rounds": {str(k): v for k, v in self.node_rounds.items()}}
         return arrays, meta
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None:
@@ -158,6 +254,7 @@ class Broadcaster:
         self.round = int(meta["downlink_round"])
         self.initial_digest = str(meta["initial_digest"])
         self.rng.bit_generator.state = meta["downlink_rng"]
+        self.node_rounds = {int(k): int(v) for k, v in meta.get("node_rounds", {}).items()}
 
     def message_for(self, replica_round: int | None) -> DownlinkMessage:
         """The smallest message that brings a replica at ``replica_round`` up to date."""
@@ -204,11 +301,14 @@ class PerClientBroadcaster:
     the full model next time.
     """
 
+    per_client = True
+
     def __init__(self, model: Mapping[str, np.ndarray], policy: CompressionPolicy,
-                 seed: int = 0) -> None:
+                 seed: int = 0, shared_init: bool = True) -> None:
         self.model = {k: np.array(v, dtype=np.float32) for k, v in model.items()}
         self.policy = policy
         self.seed = seed
+        self.shared_init = shared_init
         self.round = 0
         self.initial = {k: v.copy() for k, v in self.model.items()}
         self.initial_digest = model_digest(self.initial)
@@ -267,12 +367,29 @@ class PerClientBroadcaster:
         self.digests[client] = model_digest(self.model)
         return DownlinkMessage("full", self.round, self.round, (self.full_payload(),))
 
-    def reconcile(self, client: str, held_digest: str) -> None:
+    # The Downlink interface: clients are keys (partitions), which outlive node ids.
+    def send(self, who: Recipient) -> DownlinkMessage:
+        return self.message_for(who.key, stream=who.stream, shared_init=self.shared_init)
+
+    def digest_for(self, who: Recipient) -> str:
+        return self.digests.get(who.key, "")
+
+    def applied(self, who: Recipient) -> None:
+        pass  # the server's copy was brought up to date when the message was made
+
+    def unconfirmed(self, who: Recipient) -> None:
+        self.forget(who.key)
+
+    def failed(self, who: Recipient) -> None:
+        self.forget(who.key)
+
+    def reconcile(self, who: Recipient | str, held_digest: str) -> None:
         """A (re)connected client says which replica it holds ("" for none).
 
         The server's copy is kept only if it is that replica; otherwise the client
         gets the full model next (a restarted node without its state, a resumed run).
         """
+        client = who.key if isinstance(who, Recipient) else who
         if client in self.replicas and self.digests.get(client) != held_digest:
             self.forget(client)
 

@@ -44,7 +44,7 @@ import zstandard
 from fedcomp.codecs.fuzzing import assemble, split
 
 __all__ = ["ATTACK_KINDS", "FAULT_KINDS", "INFLATED_EXAMPLES", "POISON_SCALE", "AttackPlan",
-           "FaultPlan", "InjectedFault", "tamper"]
+           "ClientMisbehaviour", "FaultPlan", "InjectedFault", "misbehaviour", "tamper"]
 
 FAULT_KINDS = ("dropout", "straggler", "corrupt", "lie", "nonfinite", "poison", "stale")
 ATTACK_KINDS = ("none", "signflip", "scale", "fltmax", "inflate", "labelflip")
@@ -115,6 +115,46 @@ class AttackPlan:
     def attack(self, partition_id: int, num_partitions: int) -> str | None:
         """This client's attack, or None if it is honest."""
         return self.kind if partition_id in self.attackers(num_partitions) else None
+
+
+@dataclass(frozen=True)
+class ClientMisbehaviour:
+    """What one client does wrong in one round, split by where it happens.
+
+    Around the round (a ClientApp mod plays these, the round itself never sees
+    them): ``drop_out`` before training; after it, ``delay_s`` of sleep, the
+    :func:`tamper` kinds applied in turn to the reply's payload, ``examples`` claimed
+    instead of the true
+    count. Inside it, because they change what is trained or encoded: ``flip_labels``
+    and ``delta_scale``.
+    """
+
+    drop_out: bool = False
+    flip_labels: bool = False
+    delta_scale: float = 1.0
+    delay_s: float = 0.0
+    tamper: tuple[str, ...] = ()
+    examples: float | None = None
+
+    @property
+    def honest(self) -> bool:
+        return self == ClientMisbehaviour()
+
+
+def misbehaviour(faults: FaultPlan, attacks: AttackPlan, *, server_round: int,
+                 partition_id: int, num_partitions: int,
+                 round_timeout: float) -> ClientMisbehaviour:
+    """What the run's fault and attack plans make this client do this round."""
+    fault = faults.draw(server_round, partition_id)  # None unless fault-* > 0
+    attack = attacks.attack(partition_id, num_partitions)
+    scale = (POISON_SCALE if fault == "poison" or attack == "scale" else
+             -1.0 if attack == "signflip" else 1.0)
+    tampered = ((fault,) if fault in ("corrupt", "lie", "nonfinite", "stale") else ()) + (
+        ("fltmax",) if attack == "fltmax" else ())
+    return ClientMisbehaviour(
+        drop_out=fault == "dropout", flip_labels=attack == "labelflip", delta_scale=scale,
+        delay_s=round_timeout + 1.0 if fault == "straggler" else 0.0, tamper=tampered,
+        examples=INFLATED_EXAMPLES if attack == "inflate" else None)
 
 
 def _first_node(tree: Any, codec: str | None = None) -> dict | None:

@@ -41,13 +41,63 @@ from fedcomp.privacy.central import (
 )
 from fedcomp.privacy.noise import noise_source
 
-__all__ = ["ServerPrivacy"]
+__all__ = ["NoPrivacy", "ServerPrivacy", "server_privacy"]
 
 log = logging.getLogger(__name__)
 
 
+def server_privacy(cfg: RunConfig) -> ServerPrivacy | NoPrivacy:
+    """The privacy hooks of a run: :class:`ServerPrivacy`, or :class:`NoPrivacy` for
+    ``dp = "none"``, so that a strategy calls the same hooks either way."""
+    return NoPrivacy() if cfg.dp == "none" else ServerPrivacy(cfg)
+
+
+class NoPrivacy:
+    """The hooks of a run without DP: they change nothing (updates weigh their
+    example counts, the mean is published as it is)."""
+
+    active = False
+    #: Publish a mean only when enough updates arrived (``min-clients``).
+    releases_every_round = False
+    required_metrics: tuple[str, ...] = ("num-examples",)
+    clip_norm = 0.0
+
+    def sample(self, ordered_nodes: Sequence[int]) -> list[int] | None:
+        return None
+
+    def check_sample_plans(self, plans: Mapping[int, tuple[float, int, int]]) -> None:
+        pass
+
+    def stop_reason(self, server_round: int) -> str | None:
+        return None
+
+    def round_settings(self) -> dict[str, float]:
+        return {}
+
+    def weight(self, metrics: Mapping[str, float]) -> float:
+        return float(metrics["num-examples"])
+
+    def release(self, result: AggregationResult, shapes: Mapping[str, Sequence[int]],
+                metrics: Mapping[int, Mapping[str, float]]) -> dict[str, np.ndarray] | None:
+        return result.mean_delta
+
+    def epsilon(self) -> float:
+        return 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"epsilon": None}
+
+    def state_dict(self) -> None:
+        return None
+
+    def load_state_dict(self, state: Any) -> None:
+        pass
+
+
 class ServerPrivacy:
     """Sampling, bounding, noise and accounting of one DP run (``dp`` != ``"none"``)."""
+
+    active = True
 
     def __init__(self, cfg: RunConfig) -> None:
         if cfg.dp == "none":
@@ -75,6 +125,12 @@ class ServerPrivacy:
         else:
             self.sample_budget = SampleLevelBudget(cfg.dp_noise_multiplier, cfg.dp_delta,
                                                    cfg.dp_target_epsilon, cfg.dp_accountant)
+        #: Client level releases a noisy mean every round, whoever answered.
+        self.releases_every_round = cfg.dp == "client"
+        #: The reply fields the run cannot do without (clients send no example counts).
+        self.required_metrics: tuple[str, ...] = (
+            ("dp-sample-rate", "dp-steps") if cfg.dp == "sample" else
+            ("dp-unclipped",) if cfg.dp_adaptive_clip else ())
         #: This round's Poisson sampling rate and expected participants (client level).
         self.rate = 1.0
         self.expected = 1.0
@@ -143,6 +199,10 @@ class ServerPrivacy:
                     f"epsilon to {self.sample_budget.epsilon_after_next_round():.3f}, above "
                     f"dp-target-epsilon {self.cfg.dp_target_epsilon}")
         return None
+
+    def weight(self, metrics: Mapping[str, float]) -> float:
+        """Every update weighs the same: clients send no example counts under DP."""
+        return 1.0
 
     def round_settings(self) -> dict[str, float]:
         """What the round's train config carries: this round's clipping norm."""
