@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedcomp.config import RunConfig
 from fedcomp.federated.checkpoint import load_checkpoint, save_checkpoint, save_model
+from fedcomp.flower.grid import PromptGrid
 from fedcomp.ops.results import RunRecorder
 from fedcomp.tasks import Task, check_task
 from fedcomp.tasks.training import state_arrays
@@ -107,7 +108,7 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
                              "loss": loss if math.isfinite(loss) else -1.0})
 
     if cfg.num_server_rounds > done:
-        strategy.start(grid=grid, initial_arrays=strategy.current_arrays(),
+        strategy.start(grid=PromptGrid(grid), initial_arrays=strategy.current_arrays(),
                        num_rounds=cfg.num_server_rounds - done, timeout=cfg.round_timeout,
                        evaluate_fn=evaluate_fn)
     recorder.extra = {
