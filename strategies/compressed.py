@@ -54,7 +54,7 @@ from fedcomp.config import RunConfig
 from fedcomp.errors import SpecError
 from fedcomp.federated.aggregation import AggregationResult, ClientReply, aggregate_deltas
 from fedcomp.federated.averaging import ModelAverage
-from fedcomp.federated.downlink import Recipient, make_downlink
+from fedcomp.federated.downlink import Downlink, Recipient, make_downlink
 from fedcomp.federated.replies import ReplyError, parse_reply_metrics
 from fedcomp.federated.sampling import order_nodes, parse_partition_id, sample_nodes
 from fedcomp.federated.server_opt import ServerOptimizer
@@ -62,7 +62,7 @@ from fedcomp.federated.server_state import ServerState
 from fedcomp.flower import downlink_to_record, outcomes_to_record, reply_parts
 from fedcomp.ops.results import RoundRecord
 from fedcomp.privacy.clipping import update_norm
-from fedcomp.privacy.server import server_privacy
+from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
 
 __all__ = ["CompressedFedAvg", "RoundStats"]
 
@@ -141,7 +141,7 @@ class CompressedFedAvg(FedAvg):
 
     # The parts of the state the ServerApp reads.
     @property
-    def broadcaster(self):
+    def broadcaster(self) -> Downlink:
         """The downlink, which holds the server's model."""
         return self.state.downlink
 
@@ -150,7 +150,7 @@ class CompressedFedAvg(FedAvg):
         return self.state.average
 
     @property
-    def privacy(self):
+    def privacy(self) -> ServerPrivacy | NoPrivacy:
         return self.state.privacy
 
     @property

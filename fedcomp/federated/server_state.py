@@ -20,6 +20,7 @@ from fedcomp.codecs.feedback import OutcomeLedger
 from fedcomp.federated.averaging import ModelAverage
 from fedcomp.federated.downlink import Downlink
 from fedcomp.federated.server_opt import ServerOptimizer
+from fedcomp.privacy.server import NoPrivacy, ServerPrivacy
 
 __all__ = ["ServerState"]
 
@@ -33,7 +34,7 @@ class ServerState:
     #: ``server-average`` > 0: the averaged model the run evaluates.
     average: ModelAverage | None
     #: The privacy hooks (:mod:`fedcomp.privacy.server`): their accounting is state.
-    privacy: Any
+    privacy: ServerPrivacy | NoPrivacy
     #: Which of each node's updates went into the model, told back to the node.
     outcomes: OutcomeLedger
     #: Samples the clients of each round.
