@@ -65,6 +65,12 @@ SPECS = [
     "topk:ratio=0.01|quant:bits=8",
     "topk:ratio=0.001|ternary:mode=mean",
     "lowrank:rank=4|fp16",
+    # A random Hadamard rotation before 1-2 bit quantization (DRIVE/EDEN style).
+    "quant:bits=2",
+    "hadamard|quant:bits=2",
+    "quant:bits=1",
+    "hadamard|quant:bits=1",
+    "hadamard|sign",
 ]
 
 
@@ -197,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--no-cnn", action="store_true", help="skip the CNN delta input")
+    parser.add_argument("--spec", action="append", default=[], metavar="SPEC",
+                        help="benchmark only this spec (repeatable; default: every spec)")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -213,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, x in inputs.items():
         t99 = f"{float(np.quantile(np.abs(x), 0.99)):.3g}"
-        for spec in SPECS:
+        for spec in args.spec or SPECS:
             rows.append(bench_spec(name, spec.format(t99=t99), x, repeats))
             print(f"  {name:18s} {rows[-1]['spec']:45s} done", file=sys.stderr, flush=True)
         rows.append(bench_torch_topk(name, x, repeats))
     print_table(rows)
-    print_targets(rows, gaussian_name)
+    if not args.spec:  # the targets need the Top-K rows
+        print_targets(rows, gaussian_name)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=1, default=float) + "\n")

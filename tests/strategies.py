@@ -27,6 +27,7 @@ CODEC_PARAMS: dict[str, dict[str, st.SearchStrategy]] = {
     "fp16": {},
     "bf16": {},
     "lowrank": {"rank": st.integers(1, 6), "iters": st.integers(1, 3)},
+    "hadamard": {"block": st.sampled_from([1, 2, 8, 64, 4096])},
     "zstd": {"level": st.integers(1, 9)},
 }
 

@@ -3,7 +3,7 @@
 Numpy, zstd and the standard library only (no torch, no Flower).
 
 * codec families: :mod:`~fedcomp.codecs.sparsify`, :mod:`~fedcomp.codecs.quantize`,
-  :mod:`~fedcomp.codecs.lowrank`, :mod:`~fedcomp.codecs.lossless`,
+  :mod:`~fedcomp.codecs.rotation`, :mod:`~fedcomp.codecs.lowrank`, :mod:`~fedcomp.codecs.lossless`,
   :mod:`~fedcomp.codecs.identity`, on :mod:`~fedcomp.codecs.base`; index and bit
   packing in :mod:`~fedcomp.codecs.index_coding` and :mod:`~fedcomp.codecs.bitpack`.
 * composing them: spec strings (:mod:`~fedcomp.codecs.spec`), the registry
@@ -21,6 +21,7 @@ from fedcomp.codecs.identity import Identity
 from fedcomp.codecs.lossless import Zstd
 from fedcomp.codecs.lowrank import LowRank
 from fedcomp.codecs.quantize import BF16, FP16, QSGD, ScaledSign, Ternary, Uniform
+from fedcomp.codecs.rotation import Hadamard
 from fedcomp.codecs.sparsify import RandomK, Threshold, TopK
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "QSGD",
     "Codec",
     "Encoded",
+    "Hadamard",
     "Identity",
     "LowRank",
     "RandomK",

@@ -37,6 +37,8 @@ CASES = {
     # Rows of very different scales, as a layer's update has: Top-K picks the
     # ``rows`` index coding (added after the first twelve cases, same format version).
     "topk-rows": ("topk:ratio=0.1|ternary:mode=mean", "none"),
+    # The random Hadamard rotation (added later, same format version).
+    "hadamard-quant2": ("hadamard:block=64|quant:bits=2", "none"),
 }
 #: Cases whose tensors get one scale per row (1 to 1000), so their supports crowd
 #: into a few rows.
