@@ -22,8 +22,10 @@ from flwr.common.logger import log as flwr_log
 from fedcomp.config import RunConfig
 from fedcomp.federated.client_round import (
     ClientState,
+    RoundSettings,
     dp_sgd_plan_reply,
     load_state_file,
+    resolve_settings,
     run_client_round,
     save_state_file,
     saved_replica_digest,
@@ -50,12 +52,25 @@ def _message_size(msg: Message, context: Context, call_next):
     return call_next(msg, context)
 
 
+#: Where a node keeps the run config it was sent in full (``context.state``).
+_SETTINGS_KEY = "fedcomp-settings"
+
+
+def _settings(msg: Message, context: Context) -> RoundSettings:
+    """The train message's run config: sent in full (then kept), or by digest."""
+    kept = context.state[_SETTINGS_KEY] if _SETTINGS_KEY in context.state else None
+    resolved = resolve_settings(msg.content["config"],
+                                kept=dict(kept) if kept is not None else None,
+                                run_config=dict(context.run_config))
+    if resolved.to_keep is not None:
+        context.state[_SETTINGS_KEY] = ConfigRecord(resolved.to_keep)
+    return resolved
+
+
 def _misbehaviour(msg: Message, context: Context) -> ClientMisbehaviour:
     """What the run's fault and attack plans make this node do in this train round."""
-    settings = dict(msg.content["config"])
-    server_round = int(settings.pop("server-round"))
-    settings.pop("dp-clip-current", None)
-    cfg = RunConfig.from_mapping(settings)
+    resolved = _settings(msg, context)
+    cfg, server_round = resolved.cfg, resolved.server_round
     return misbehaviour(cfg.fault_plan, cfg.attack_plan, server_round=server_round,
                         partition_id=int(context.node_config["partition-id"]),
                         num_partitions=int(context.node_config["num-partitions"]),
@@ -138,10 +153,8 @@ def _load_saved(context: Context, partition_id: int):
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    settings = dict(msg.content["config"])
-    server_round = int(settings.pop("server-round"))
-    clip_now = settings.pop("dp-clip-current", None)  # DP-FedAvg's C for this round
-    cfg = RunConfig.from_mapping(settings)
+    resolved = _settings(msg, context)
+    cfg, server_round, clip_now = resolved.cfg, resolved.server_round, resolved.clip_now
     partition_id = int(context.node_config["partition-id"])
     data = _load_data(cfg, context)
     # The attacks that change what this client trains (the rest are misbehave's).
@@ -162,7 +175,7 @@ def train(msg: Message, context: Context) -> Message:
         result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
                                   data, server_round=server_round, client_seed=partition_id,
                                   delta_scale=plan.delta_scale,
-                                  clip_norm=None if clip_now is None else float(clip_now),
+                                  clip_norm=clip_now,
                                   outcomes=outcomes)
     except ReplicaOutOfSync:
         state.replica = Replica()  # the server sends the full model after a failure

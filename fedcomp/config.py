@@ -351,6 +351,12 @@ class RunConfig:
         return encoder_fingerprint((self.uplink_policy, self.downlink_policy),
                                    {name: tuple(shape) for name, shape in shapes.items()})
 
+    def settings_digest(self) -> str:
+        """A hash of every setting (outputs included): a train message that carries
+        only this stands for the run config a node received in full before."""
+        blob = json.dumps(self.to_mapping(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
     def digest(self) -> str:
         """A short stable hash of everything that shapes the run's results.
 

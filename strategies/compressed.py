@@ -138,6 +138,10 @@ class CompressedFedAvg(FedAvg):
         defaults = RunConfig().to_mapping()
         self._settings = {k: v for k, v in cfg.to_mapping().items()
                           if not (v == "" and defaults.get(k) == "")}
+        #: A node that answered a train message holds the settings: it is sent only
+        #: their digest (1.5 kB less per message) until it fails or misses a reply.
+        self._settings_digest = cfg.settings_digest()
+        self._holds_settings: set[int] = set()
 
     # The parts of the state the ServerApp reads.
     @property
@@ -243,8 +247,9 @@ class CompressedFedAvg(FedAvg):
             self.state.stopped = reason
             log.warning("privacy budget: %s", reason)
             return []
-        settings = ConfigRecord({**self._settings, "server-round": server_round,
-                                 **self.privacy.round_settings()})
+        this_round = {"server-round": server_round, "settings-digest": self._settings_digest,
+                      **self.privacy.round_settings()}
+        short, full = ConfigRecord(this_round), ConfigRecord({**self._settings, **this_round})
         messages = []
         self._sent, self._expected_digest = {}, {}
         for node in nodes:
@@ -253,7 +258,8 @@ class CompressedFedAvg(FedAvg):
             self._expected_digest[node] = self.broadcaster.digest_for(who)
             self._sent[node] = downlink.nbytes
             content = RecordDict({
-                "config": settings, "downlink": downlink_to_record(downlink),
+                "config": short if node in self._holds_settings else full,
+                "downlink": downlink_to_record(downlink),
                 "outcomes": outcomes_to_record(self.state.outcomes.for_node(node))})
             messages.append(Message(content=content, message_type=MessageType.TRAIN,
                                     dst_node_id=node))
@@ -298,12 +304,14 @@ class CompressedFedAvg(FedAvg):
                         stats.record.round, stats.record.timed_out, self.cfg.round_timeout)
         for node in set(self._sent) - {m.metadata.src_node_id for m in replies}:
             self.broadcaster.unconfirmed(self._recipient(node))
+            self._holds_settings.discard(node)
         updates = []
         for msg in replies:
             node = msg.metadata.src_node_id
             who = self._recipient(node)
             if msg.has_error():
                 stats.record.clients_failed += 1
+                self._holds_settings.discard(node)  # a restarted node: send them again
                 self.broadcaster.failed(who)  # how far did it get? The full model next.
                 log.warning("node %s failed in round %d: %s", node, stats.record.round,
                             msg.error.reason)
@@ -322,6 +330,7 @@ class CompressedFedAvg(FedAvg):
             metrics["partition-id"] = float(self.partition_of.get(
                 node, metrics.get("partition-id", 0.0)))
             stats.client_metrics[node] = metrics
+            self._holds_settings.add(node)
             stats.replica_checks += 1
             if reported == self._expected_digest.get(node):
                 self.broadcaster.applied(who)

@@ -121,3 +121,26 @@ def test_an_update_the_server_did_not_apply_goes_back_into_the_residual():
     again.unconfirmed, again.unconfirmed_round = b"", None
     assert ClientState.from_arrays(CFG, again.to_arrays(),
                                    model_shapes("digits")).unconfirmed_round is None
+
+
+def test_a_train_message_names_the_run_config_in_full_or_by_digest():
+    from fedcomp.config import RunConfig
+    from fedcomp.federated.client_round import SettingsUnknown, resolve_settings
+
+    cfg = RunConfig(codec="sign", seed=3)
+    full = {**cfg.to_mapping(), "server-round": 2, "settings-digest": cfg.settings_digest()}
+    first = resolve_settings(full, kept=None, run_config={})
+    assert first.cfg == cfg and first.server_round == 2 and first.clip_now is None
+    assert first.to_keep == cfg.to_mapping()  # the node keeps what it was sent
+    short = {"server-round": 3, "settings-digest": cfg.settings_digest(),
+             "dp-clip-current": 0.5}
+    # By digest: from what the node kept, else from Flower's context.run_config.
+    again = resolve_settings(short, kept=first.to_keep, run_config={})
+    assert again.cfg == cfg and again.clip_now == 0.5 and again.to_keep is None
+    assert resolve_settings(short, kept=None, run_config=cfg.to_mapping()).cfg == cfg
+    # A node that holds other settings, or none (restarted), cannot guess them.
+    other = RunConfig(codec="sign", seed=4).to_mapping()
+    with pytest.raises(SettingsUnknown, match="in full next time"):
+        resolve_settings(short, kept=other, run_config={})
+    with pytest.raises(SettingsUnknown):
+        resolve_settings(short, kept=None, run_config={"codec": "no-such-codec"})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs.policy import encode_update
 from fedcomp.federated.downlink import model_digest
@@ -151,3 +151,24 @@ def test_per_client_downlink_checks_each_replica_and_forgets_what_it_cannot_know
     assert strategy.stats[3].replica_mismatches == 0
     _, meta = strategy.state_dict()
     assert sorted(meta["replica_digests"]) == ["partition-1", "partition-2", "partition-3"]
+
+
+def test_the_run_config_goes_in_full_until_a_node_has_answered_then_by_digest(make_strategy):
+    strategy = make_strategy()
+    grid = FakeGrid([11, 12, 13])
+
+    def full(messages):
+        return {m.metadata.dst_node_id: "codec" in m.content["config"] for m in messages}
+
+    first = list(strategy.configure_train(1, None, ConfigRecord(), grid))
+    assert full(first) == {11: True, 12: True, 13: True}
+    digest = strategy.cfg.settings_digest()
+    assert all(m.content["config"]["settings-digest"] == digest for m in first)
+    # 11 answers; 12 fails (a restarted node may have lost them); 13 does not answer.
+    failed = Message(Error(code=0, reason="lost"), reply_to=first[1])
+    strategy.aggregate_train(1, [_reply(first[0], strategy, 1, 11), failed])
+    second = list(strategy.configure_train(2, None, ConfigRecord(), grid))
+    assert full(second) == {11: False, 12: True, 13: True}
+    short = second[0].content["config"]
+    assert set(short.keys()) == {"server-round", "settings-digest"}
+    assert short.count_bytes() * 10 < second[1].content["config"].count_bytes()

@@ -40,9 +40,9 @@ from fedcomp.tasks.data import ArrayDataset
 from fedcomp.tasks.models import build_model, model_shapes
 from fedcomp.tasks.training import state_arrays
 
-__all__ = ["ClientResult", "ClientState", "encode_delta", "load_state_file", "model_shapes",
-           "run_client_round", "save_state_file", "saved_replica_digest", "settle_unconfirmed",
-           "state_file"]
+__all__ = ["ClientResult", "ClientState", "RoundSettings", "SettingsUnknown", "encode_delta",
+           "load_state_file", "model_shapes", "resolve_settings", "run_client_round",
+           "save_state_file", "saved_replica_digest", "settle_unconfirmed", "state_file"]
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,53 @@ def encode_delta(cfg: RunConfig, feedback: Any, delta: Mapping[str, np.ndarray],
         accounted = subspace.lift(accounted, shapes)
     feedback.keep({name: compensated[name] - accounted[name] for name in compensated})
     return update, metrics
+
+
+class SettingsUnknown(ValueError):
+    """A train message named the run config by digest and this node does not hold it."""
+
+
+@dataclass(frozen=True)
+class RoundSettings:
+    """What a train message's config says: the run config and this round's values."""
+
+    cfg: RunConfig
+    server_round: int
+    #: DP-FedAvg's clipping norm C for this round (it moves with adaptive clipping).
+    clip_now: float | None
+    #: The full run config when the message carried it: the node keeps it for the
+    #: rounds that send only its digest.
+    to_keep: dict[str, Any] | None
+
+
+def resolve_settings(sent: Mapping[str, Any], *, kept: Mapping[str, Any] | None,
+                     run_config: Mapping[str, Any] | None) -> RoundSettings:
+    """The run config of a train message, sent in full or as ``settings-digest``.
+
+    A digest alone is resolved from the settings this node kept from an earlier
+    message, else from Flower's own ``context.run_config`` (which ``flwr run`` fills
+    with the run's config), whichever has that digest; otherwise
+    :class:`SettingsUnknown` (the reply is an error, and the server sends the settings
+    in full next time).
+    """
+    settings = dict(sent)
+    server_round = int(settings.pop("server-round"))
+    clip_now = settings.pop("dp-clip-current", None)
+    digest = settings.pop("settings-digest", None)
+    clip = None if clip_now is None else float(clip_now)
+    if settings:
+        return RoundSettings(RunConfig.from_mapping(settings), server_round, clip, settings)
+    for source in (kept, run_config):
+        if source:
+            try:
+                cfg = RunConfig.from_mapping(dict(source))
+            except ValueError:
+                continue
+            if cfg.settings_digest() == digest:
+                return RoundSettings(cfg, server_round, clip, None)
+    raise SettingsUnknown(f"round {server_round}: this node does not hold the run config "
+                          f"of digest {digest!r} (a restarted node); the server sends it "
+                          "in full next time")
 
 
 def dp_sgd_plan_reply(cfg: RunConfig, data: ArrayDataset) -> dict[str, float | str]:
