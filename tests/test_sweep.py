@@ -317,6 +317,18 @@ def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
     assert rows["FedAvg averaged"][7].strip() == "2.0"
     assert rows["sign"][7].strip() == "13.3"
 
+    # Any method can be named the reference (the strongest fp32 baseline at no extra
+    # bytes, say): its factors come first, plain FedAvg's beside them.
+    table, _ = write_report(tmp_path, target=0.8, reference="FedAvg averaged")
+    first_table = table[:table.index("Whole runs")]
+    assert "uplink x vs FedAvg | total x vs FedAvg |" in first_table
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[7:11]]
+            for line in first_table.splitlines()
+            if line.startswith("| ") and not line.startswith("| method")}
+    # To 0.8: averaged 1000 up / 2000 in all, FedAvg 2000 / 4000, sign 150 / 3150.
+    assert rows["sign"] == ["6.7", "0.6", "13.3", "1.3"]
+    assert rows["FedAvg"] == ["0.5", "0.5", "1.0", "1.0"]
+
 
 def test_report_adds_tables_for_extra_targets_and_a_whole_run_table(tmp_path):
     run_sweep(_sweep(), tmp_path, fake_runner(ACC, []), log=lambda _: None)

@@ -22,7 +22,10 @@ groups runs into *methods* (all grid values but the seed), and writes:
 reference, say) is a method like any other: it neither sets the target nor serves as
 the reference, so the baseline stays what the field compares against. Where a sweep
 holds several plain FedAvg methods (one with more local epochs, say), ``--reference``
-names the one the target and the factors come from.
+names the one the target and the factors come from. Any method can be the reference
+(FedAvg with the same server averaging: the strongest fp32 baseline that costs no
+extra bytes); the bytes-to-target table then shows the factors against plain FedAvg
+beside those against the reference.
 """
 
 from __future__ import annotations
@@ -194,26 +197,39 @@ def format_table(target: float, methods: list[MethodResult],
                  reference_name: str | None = None) -> str:
     """A markdown table: accuracy, bytes to target, factor against the reference."""
     reference = reference_method(methods, reference_name)
-    ref_up = _mean(reference.uplink_to_target) if reference else None
-    ref_total = _mean(reference.total_to_target) if reference else None
+    # A named reference that is not plain FedAvg (FedAvg with the same server
+    # averaging, FedAdam): the factors against plain FedAvg go beside its own.
+    plain = [m for m in methods if is_plain_fedavg(m.runs[0].summary["config"])]
+    beside = plain[0] if len(plain) == 1 and plain[0] is not reference else None
+    against = [reference, beside] if beside is not None else [reference]
+    sums = [(_mean(r.uplink_to_target), _mean(r.total_to_target)) if r else (None, None)
+            for r in against]
+    header = "| method | seeds | best acc | rounds to target | uplink MB to target | " \
+             "total MB to target | uplink x | total x |"
+    if beside is not None:
+        header += f" uplink x vs {beside.method} | total x vs {beside.method} |"
     lines = [
         f"Target accuracy: {target:.4f}. Bytes are means over seeds (min-max in brackets); "
-        "a method that misses the target in any seed shows '-'.",
+        "a method that misses the target in any seed shows '-'."
+        + (f" Factors against {reference.method}, then against {beside.method}."
+           if beside is not None and reference is not None else ""),
         "",
-        "| method | seeds | best acc | rounds to target | uplink MB to target | "
-        "total MB to target | uplink x | total x |",
-        "|---|---|---|---|---|---|---|---|",
+        header,
+        "|---" * header.count(" |") + "|",
     ]
     for m in methods:
         up, total = _mean(m.uplink_to_target), _mean(m.total_to_target)
         rounds = _mean([float(r) if r is not None else None for r in m.round_to_target])
+        factors = "".join(
+            f" {'-' if up is None or not ref_up else f'{ref_up / up:.1f}'} |"
+            f" {'-' if total is None or not ref_total else f'{ref_total / total:.1f}'} |"
+            for ref_up, ref_total in sums)
         lines.append(
             f"| {m.method} | {len(m.runs)} | {statistics.mean(m.best_accuracy):.4f} | "
             f"{'-' if rounds is None else f'{rounds:.1f}'} | "
             f"{'-' if up is None else f'{up / 1e6:.4g}{_spread(m.uplink_to_target)}'} | "
-            f"{'-' if total is None else f'{total / 1e6:.4g}{_spread(m.total_to_target)}'} | "
-            f"{'-' if up is None or not ref_up else f'{ref_up / up:.1f}'} | "
-            f"{'-' if total is None or not ref_total else f'{ref_total / total:.1f}'} |")
+            f"{'-' if total is None else f'{total / 1e6:.4g}{_spread(m.total_to_target)}'} |"
+            + factors)
     return "\n".join(lines)
 
 
