@@ -64,3 +64,26 @@ def test_the_quiet_log_shows_round_lines_warnings_and_errors_only():
     assert shown == [log[4], log[7], log[8], log[9], log[10], log[11]]
     # What was held back last is kept for a run that fails.
     assert list(quiet.recent) == [log[5], log[6], log[12]]
+
+
+def test_flower_gets_whole_cpus_per_client(monkeypatch, tmp_path):
+    """Flower 1.42 refuses ``client-resources-num-cpus=1.0`` ('float' object cannot be
+    interpreted as an integer): the runner and the command line pass whole numbers."""
+    import pytest
+
+    from fedcomp.config import RunConfig
+    from fedcomp.ops import cli
+
+    seen = []
+
+    def fake_run(project, connection, run_config, *, federation, where, verbose):
+        seen.append(federation)
+        return "1", "finished:failed", [], []
+
+    monkeypatch.setattr(cli, "_flower_run", fake_run)
+    runner = cli.flower_runner(tmp_path)
+    with pytest.raises(RuntimeError, match="finished:failed"):
+        runner(RunConfig(results_dir=str(tmp_path), run_name="x"), 3)
+    assert seen == ["num-supernodes=3 client-resources-num-cpus=1"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["simulate", "--cpus-per-client", "0.5"])

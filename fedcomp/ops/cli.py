@@ -305,7 +305,7 @@ def sweep(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def flower_runner(app: Path, *, connection: str = "local", cpus_per_client: float = 1.0,
+def flower_runner(app: Path, *, connection: str = "local", cpus_per_client: int = 1,
                   verbose: bool = False):
     """A runner for :func:`fedcomp.ops.sweep.run_sweep`: each run through ``flwr run`` on
     the local SuperLink, as ``fedcomp simulate`` runs it, with the run's whole config
@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--app", default=".", help="the Flower app folder (default: .)")
     sim.add_argument("--connection", default="local", help="SuperLink connection name")
     sim.add_argument("--num-supernodes", type=int, default=10)
-    sim.add_argument("--cpus-per-client", type=float, default=1)
+    sim.add_argument("--cpus-per-client", type=int, default=1,
+                     help="whole CPUs per virtual client (Flower 1.42 takes no fraction)")
     sim.add_argument("--run-config", default="", help="overrides: \"key=value key='text'\"")
     sim.add_argument("--run-name", default="", help="results folder name (default: time)")
     sim.add_argument("--results-dir", default="results")
@@ -382,7 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--out", required=True, help="folder for the runs and runs.csv")
     sw.add_argument("--app", default=".", help="the Flower app folder (default: .)")
     sw.add_argument("--connection", default="local", help="SuperLink connection name")
-    sw.add_argument("--cpus-per-client", type=float, default=1)
+    sw.add_argument("--cpus-per-client", type=int, default=1,
+                     help="whole CPUs per virtual client (Flower 1.42 takes no fraction)")
     sw.add_argument("--verbose", action="store_true",
                     help="show Flower's whole log (default: one line per round, warnings)")
     sw.set_defaults(handler=sweep)
