@@ -54,8 +54,7 @@ TOPK = "topk:ratio=0.01|quant:bits=4"
 DELTA = 1e-5
 
 #: The settings every run of a part shares.
-#: The downlink is the full model: the trade-off measured is the uplink's (and 1,000
-#: per-client replicas would not fit the server's memory).
+#: The downlink is the full model: the trade-off measured is the uplink's.
 BASES = {
     "sample": {"dataset": "digits", "partitioning": "iid", "num-server-rounds": 20,
                "local-epochs": 2, "lr": 0.05, "dp-clip-norm": 1.0, "dp-delta": DELTA,

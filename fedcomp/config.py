@@ -93,6 +93,7 @@ class RunConfig:
     downlink_codec_overrides: str = ""
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
+    downlink_forget_after: int = 0
     shared_init: bool = True
     server_optimizer: str = "sgd"
     server_lr: float = 1.0
@@ -175,6 +176,7 @@ class RunConfig:
                 raise SpecError(f"run config {config_key(name)!r} must be >= 1, "
                                 f"got {getattr(self, name)!r}")
         non_negative = ("local_epochs", "local_steps", "clients_per_round", "min_numel",
+                        "downlink_forget_after",
                         "lr", "proximal_mu", "server_lr", "server_lr_final", "dirichlet_alpha")
         for name in non_negative:
             if getattr(self, name) < 0:

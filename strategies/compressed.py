@@ -104,7 +104,8 @@ class CompressedFedAvg(FedAvg):
         self.state = ServerState(
             downlink=make_downlink(cfg.downlink_mode, initial, cfg.downlink_policy,
                                    history=cfg.downlink_history, seed=cfg.seed,
-                                   shared_init=cfg.shared_init),
+                                   shared_init=cfg.shared_init,
+                                   forget_after=cfg.downlink_forget_after),
             optimizer=ServerOptimizer(
                 cfg.server_optimizer, lr=cfg.server_lr, momentum=cfg.server_momentum,
                 beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,

@@ -150,7 +150,7 @@ def test_per_client_replicas_equal_the_servers_copy_whatever_the_participation(
             assert message.nbytes < full
             replicas[i].apply(message, server.shapes, POLICY, initial=initial)
             assert model_digest(replicas[i].model) == server.digests[f"c{i}"]
-            assert model_digest(server.replicas[f"c{i}"]) == server.digests[f"c{i}"]
+            assert model_digest(server.replica(f"c{i}")) == server.digests[f"c{i}"]
         server.publish(_moved(server, rng))
 
 
@@ -301,5 +301,135 @@ def test_per_client_state_round_trips_and_continues_identically():
         PerClientBroadcaster(_model(rng), POLICY).load_state_dict(arrays, meta)
     # A replica missing from the checkpoint is not trusted: that client gets the model.
     partial = PerClientBroadcaster(initial, POLICY, seed=7)
-    partial.load_state_dict({k: v for k, v in arrays.items() if k != "dl-replica/a/w"}, meta)
+    partial.load_state_dict({k: v for k, v in arrays.items() if k != "dl-chains"}, meta)
     assert partial.message_for("a", stream=0, shared_init=True).kind == "full"
+
+
+# ------------------------------------------------- per-client memory: what was sent
+def _run_clients(server, rng, initial, rounds, clients, replicas):
+    for round_ in range(rounds):
+        for i in range(clients):
+            if (round_ + i) % 2 == 0:
+                message = server.message_for(f"c{i}", stream=i, shared_init=True)
+                replicas[i].apply(message, server.shapes, POLICY, initial=initial)
+        server.publish(_moved(server, rng, scale=0.1))
+
+
+def test_per_client_memory_is_the_bytes_sent_not_a_model_per_client():
+    rng = np.random.default_rng(11)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY, seed=1)
+    sent = {f"c{i}": 0 for i in range(6)}
+    replicas = [Replica() for _ in range(6)]
+    for round_ in range(3):
+        for i in range(6):
+            if (round_ + i) % 2 == 0:
+                message = server.message_for(f"c{i}", stream=i, shared_init=True)
+                sent[f"c{i}"] += message.nbytes
+                replicas[i].apply(message, server.shapes, POLICY, initial=initial)
+        server.publish(_moved(server, rng, scale=0.1))
+    memory = server.memory()
+    assert memory["dense_clients"] == 0 and memory["base_bytes"] == 0
+    assert memory["chain_bytes"] == sum(sent.values())
+    assert memory["chain_bytes"] < server.model_nbytes * len(sent)
+    for i, replica in enumerate(replicas):  # rebuilt from the chain, bit for bit
+        assert model_digest(server.replica(f"c{i}")) == model_digest(replica.model)
+
+
+def test_a_chain_that_would_outweigh_the_model_becomes_the_model():
+    rng = np.random.default_rng(12)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    replica = Replica()
+    for _ in range(30):  # ~6% of the model a message: dense after ~16 messages
+        replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                      POLICY, initial=initial)
+        assert server.held["a"].nbytes <= server.model_nbytes
+        server.publish(_moved(server, rng, scale=0.1))
+    assert server.held["a"].dense is not None
+    assert server.memory()["dense_clients"] == 1
+    message = server.message_for("a", stream=0, shared_init=True)
+    replica.apply(message, server.shapes, POLICY, initial=initial)
+    assert model_digest(replica.model) == server.digests["a"]
+
+
+def test_idle_clients_are_forgotten_and_start_again_from_the_round_0_model():
+    rng = np.random.default_rng(13)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY, forget_after=2)
+    replica = Replica()
+    replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                  POLICY, initial=initial)
+    server.message_for("b", stream=1, shared_init=True)
+    for round_ in range(3):
+        server.publish(_moved(server, rng, scale=0.1))
+        if round_ < 2:
+            server.message_for("b", stream=1, shared_init=True)  # b stays active
+    assert "a" not in server.held and "b" in server.held and server.forgotten == 1
+    # A forgotten client is a client never seen: a catch-up from the round-0 model,
+    # which it can apply whatever replica it still holds.
+    message = server.message_for("a", stream=0, shared_init=True)
+    assert message.kind == "catchup" and message.base_digest == server.initial_digest
+    replica.apply(message, server.shapes, POLICY, initial=initial)
+    assert model_digest(replica.model) == server.digests["a"]
+
+
+def test_a_full_model_keeps_its_base_only_while_a_chain_starts_from_it():
+    rng = np.random.default_rng(14)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    server.publish(_moved(server, rng, scale=0.1))
+    replica = Replica()
+    message = server.message_for("a", stream=0, shared_init=False)
+    assert message.kind == "full"
+    replica.apply(message, server.shapes, POLICY, initial=initial)
+    assert set(server.bases) == {0, 1} and server.memory()["base_bytes"] == server.model_nbytes
+    server.publish(_moved(server, rng, scale=0.1))
+    replica.apply(server.message_for("a", stream=0, shared_init=False), server.shapes,
+                  POLICY, initial=initial)
+    assert model_digest(replica.model) == server.digests["a"]
+    arrays, meta = server.state_dict()
+    restored = PerClientBroadcaster(initial, POLICY)
+    restored.load_state_dict(arrays, meta)
+    assert model_digest(restored.replica("a")) == server.digests["a"]
+    server.forget("a")
+    server.publish(_moved(server, rng, scale=0.1))
+    assert set(server.bases) == {0}
+
+
+def test_checkpoint_grows_with_the_bytes_sent_and_a_damaged_chain_means_the_full_model():
+    rng = np.random.default_rng(15)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    replicas = [Replica() for _ in range(8)]
+    _run_clients(server, rng, initial, 3, 8, replicas)
+    arrays, meta = server.state_dict()
+    stored = sum(v.nbytes for k, v in arrays.items() if not k.startswith("model/"))
+    assert stored == server.memory()["chain_bytes"] < 8 * server.model_nbytes
+    # A flipped byte in a stored payload: that client is rebuilt wrong or not at all.
+    chains = arrays["dl-chains"].copy()
+    chains[len(chains) // 3] ^= 0xFF
+    damaged = PerClientBroadcaster(initial, POLICY)
+    damaged.load_state_dict({**arrays, "dl-chains": chains}, meta)
+    kinds = [damaged.message_for(f"c{i}", stream=i, shared_init=True).kind for i in range(8)]
+    assert kinds.count("full") == 1
+
+
+def test_a_checkpoint_with_a_model_per_client_still_loads():
+    rng = np.random.default_rng(16)
+    initial = _model(rng)
+    server = PerClientBroadcaster(initial, POLICY)
+    replica = Replica()
+    replica.apply(server.message_for("a", stream=0, shared_init=True), server.shapes,
+                  POLICY, initial=initial)
+    server.publish(_moved(server, rng, scale=0.1))
+    arrays = {f"model/{k}": v for k, v in server.model.items()}
+    arrays.update({f"dl-replica/a/{k}": v for k, v in replica.model.items()})
+    meta = {"downlink_round": 1, "initial_digest": server.initial_digest,
+            "replica_digests": {"a": model_digest(replica.model)}, "unknown_replicas": []}
+    restored = PerClientBroadcaster(initial, POLICY)
+    restored.load_state_dict(arrays, meta)
+    message = restored.message_for("a", stream=0, shared_init=True)
+    assert message.kind == "catchup"
+    replica.apply(message, server.shapes, POLICY, initial=initial)
+    assert model_digest(replica.model) == restored.digests["a"]

@@ -150,7 +150,7 @@ def test_per_client_downlink_checks_each_replica_and_forgets_what_it_cannot_know
     assert round_trip(3, answering={11, 12, 13}) == {11: "catchup", 12: "full", 13: "catchup"}
     assert strategy.stats[3].replica_mismatches == 0
     _, meta = strategy.state_dict()
-    assert sorted(meta["replica_digests"]) == ["partition-1", "partition-2", "partition-3"]
+    assert sorted(meta["replica_store"]) == ["partition-1", "partition-2", "partition-3"]
 
 
 def test_the_run_config_goes_in_full_until_a_node_has_answered_then_by_digest(make_strategy):
