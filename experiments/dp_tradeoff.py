@@ -54,11 +54,12 @@ TOPK = "topk:ratio=0.01|quant:bits=4"
 DELTA = 1e-5
 
 #: The settings every run of a part shares.
-#: The downlink is the full model: the trade-off measured is the uplink's.
+#: The downlink is the full model: the trade-off measured is the uplink's. The runs
+#: without client-level DP keep the norm bound they were recorded with (3x the median).
 BASES = {
     "sample": {"dataset": "digits", "partitioning": "iid", "num-server-rounds": 20,
                "local-epochs": 2, "lr": 0.05, "dp-clip-norm": 1.0, "dp-delta": DELTA,
-               "downlink-codec": "none"},
+               "downlink-codec": "none", "norm-bound": 3.0},
     "client": {"dataset": "fashion-mnist", "partitioning": "iid", "num-server-rounds": 100,
                "local-epochs": 5, "lr": 0.05, "clients-per-round": 100,
                "dp-clip-norm": 0.5, "dp-delta": DELTA, "downlink-codec": "none",
@@ -95,7 +96,7 @@ def build_sweep(part: str, epsilons: list[float], clients: int) -> tuple[Sweep, 
     else:
         rate, steps = cfg.clients_per_round / clients, cfg.num_server_rounds
         methods = [{"name": "non-private FedAvg, fp32", "dp": "none", "codec": "none",
-                    "feedback": "none"}]
+                    "feedback": "none", "norm-bound": 3.0}]
         uplinks = [("fp32", {"codec": "none", "feedback": "none"}),
                    ("shared Rand-K 10% + 8-bit", {"codec": "quant:bits=8", "feedback": "none",
                                                   "shared-randk": 0.1})]

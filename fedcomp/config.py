@@ -51,6 +51,9 @@ _CHOICES = {
 #: with the new default gets a new id).
 _DIGEST_BASELINE = {"norm-bound": 0.0, "norm-action": "reject", "weight-cap": 0.0,
                     "downlink-codec": "none", "downlink-mode": "shared"}
+#: Client-level DP applies neither bound (:meth:`RunConfig.influence_bounds`): they enter
+#: its run id at the values its runs were first recorded with, whatever the defaults.
+_CLIENT_DP_ID_BOUNDS = {"norm-bound": 3.0, "weight-cap": 3.0}
 
 
 def _defaults() -> dict[str, Any]:
@@ -107,7 +110,7 @@ class RunConfig:
     save_model_every: int = 0
     round_timeout: float = 600.0
     eval_every: int = 1
-    norm_bound: float = 3.0
+    norm_bound: float = 1.5
     norm_action: str = "clip"
     weight_cap: float = 3.0
     aggregation: str = "mean"
@@ -369,7 +372,10 @@ class RunConfig:
         whether to resume do not shape results and stay out.
         """
         defaults = {**RunConfig().to_mapping(), **_DIGEST_BASELINE}
-        settings = {k: v for k, v in self.to_mapping().items()
+        mapping = self.to_mapping()
+        if self.dp == "client":
+            mapping.update(_CLIENT_DP_ID_BOUNDS)
+        settings = {k: v for k, v in mapping.items()
                     if k not in ("preset", "run-name", "results-dir", "resume", "checkpoint",
                                  "checkpoint-every", "save-model-every")
                     and v != defaults[k]}

@@ -65,3 +65,14 @@ def test_integers_are_accepted_for_float_keys_and_the_digest_ignores_output_path
     assert RunConfig(seed=1, norm_bound=0.0, norm_action="reject", weight_cap=0.0,
                      downlink_codec="none", downlink_mode="per-client").digest() == expected
     assert RunConfig().resolved_run_name.startswith("digits-")
+
+
+def test_bounds_that_client_level_dp_does_not_apply_leave_its_run_id_alone():
+    from fedcomp.config import RunConfig
+
+    dp = RunConfig(dp="client")
+    assert dp.influence_bounds() == {"norm_bound": 0.0, "weight_cap": 0.0}
+    # Whether the (unused) bound is left at its default or turned off: one run, one id.
+    assert dp.digest() == RunConfig(dp="client", norm_bound=0.0, weight_cap=0.0).digest()
+    # Without client-level DP the bound shapes the run, and the id tells them apart.
+    assert RunConfig().digest() != RunConfig(norm_bound=3.0).digest()
