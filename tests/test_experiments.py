@@ -83,3 +83,23 @@ def test_dp_benchmark_calibrates_each_epsilon_with_the_accountant_runs_report():
             assert epsilon_of([(sigma, rate, steps)], 1e-5) <= eps  # never above the target
             assert epsilon_of([(sigma * 0.97, rate, steps)], 1e-5) > eps * 0.99  # and tight
     assert "[[method]]" in dp.to_toml(sweep) and "shared-randk = 0.1" in dp.to_toml(sweep)
+
+
+def test_scale_benchmark_holds_what_was_sent_not_a_model_per_client():
+    scale = _load("scale")
+    from fedcomp.codecs.policy import CompressionPolicy
+
+    rng = np.random.default_rng(0)
+    model = {"w": rng.standard_normal((64, 64)).astype(np.float32),
+             "b": rng.standard_normal(64).astype(np.float32)}
+    policy = CompressionPolicy("topk:ratio=0.08|quant:bits=4", min_numel=1024)
+    row = scale.measure(model, policy, clients=200, rounds=6, per_round=10,
+                        forget_after=0, seed=0)
+    assert row["clients_seen"] == row["clients_held"] > 10
+    # Every byte held is a byte sent, and far less than a model per client seen.
+    assert row["held_mb"] == pytest.approx(row["sent_mb"])
+    assert row["held_mb"] < row["model_per_client_mb"] / 5
+    assert row["checkpoint_mb"] > row["held_mb"]
+    forgetful = scale.measure(model, policy, clients=200, rounds=6, per_round=10,
+                              forget_after=2, seed=0)
+    assert forgetful["forgotten"] > 0 and forgetful["held_mb"] < row["held_mb"]
