@@ -66,18 +66,18 @@ class MemorySampler(threading.Thread):
         self.interval = interval
         self.peak_total = 0
         self.peak_server = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             processes = _rss_by_process()
             self.peak_total = max(self.peak_total, sum(r for _, r in processes.values()))
             server = [r for cmd, r in processes.values() if "flwr-simulation" in cmd]
             self.peak_server = max(self.peak_server, max(server, default=0))
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 

@@ -52,7 +52,9 @@ def test_an_averaged_run_keeps_the_raw_models_accuracy_beside_it(tmp_path, capsy
     with open(tmp_path / "run" / "rounds.csv") as handle:
         raw = [r["raw_accuracy"] for r in csv.DictReader(handle)]
     assert raw == ["0.65", "nan", "0.7"]
-    assert "acc 0.6000 (raw 0.6500)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "acc 0.6000 (raw 0.6500)" in out
+    assert "[round   2/3] not evaluated | up" in out
 
 
 def test_clients_csv_has_a_row_per_reply_and_survives_a_resume(tmp_path):

@@ -196,11 +196,14 @@ class RunRecorder:
         if self.verbose:
             factor = (self.model_bytes * max(row.clients_ok, 1) / row.uplink_bytes
                       if row.uplink_bytes else math.nan)
+            evaluated = (f"acc {row.accuracy:.4f} "
+                         + (f"(raw {row.raw_accuracy:.4f}) " if math.isfinite(row.raw_accuracy)
+                            else "")
+                         + f"loss {row.loss:.4f}" if math.isfinite(row.accuracy)
+                         else "not evaluated")
             print(
-                f"[round {row.round:>3}/{self.num_rounds}] acc {row.accuracy:.4f} "
-                + (f"(raw {row.raw_accuracy:.4f}) " if math.isfinite(row.raw_accuracy)
-                   else "")
-                + f"loss {row.loss:.4f} | up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
+                f"[round {row.round:>3}/{self.num_rounds}] {evaluated} | "
+                f"up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
                 f"vs fp32) down {row.downlink_bytes / 1e3:,.1f} kB | ok {row.clients_ok} "
                 f"failed {row.clients_failed} rejected {row.rejected} late {row.timed_out} | "
                 f"{time.perf_counter() - self.started:.1f} s",
