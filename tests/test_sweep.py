@@ -469,3 +469,21 @@ def test_committed_runs_are_what_their_sweep_file_makes(folder):
     for run_id in committed:
         assert (runs_dir / run_id / "rounds.csv").exists()
         assert (runs_dir / run_id / "summary.json").exists()
+
+
+def test_committed_attack_runs_are_what_the_results_pages_commands_make():
+    """experiments/runs/faults-digits holds exactly the runs of the two digits commands
+    of the results page (every defence at seed 0; label flipping on seeds 0-3)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "fault_tolerance", ROOT / "experiments" / "fault_tolerance.py")
+    tolerance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tolerance)
+    every = tolerance.build_sweep("digits", list(tolerance.DEFENCES), tolerance.ATTACKS,
+                                  [0.1, 0.3], 10, [0])
+    seeds = tolerance.build_sweep("digits", ["default", "clip3x"], ["labelflip"], [0.1], 10,
+                                  [0, 1, 2, 3])
+    made = {r.run_id for r in every.runs} | {r.run_id for r in seeds.runs}
+    committed = {p.name for p in (ROOT / "experiments/runs/faults-digits").glob("r-*")}
+    assert committed == made
