@@ -291,6 +291,17 @@ def _group(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarra
     return {k[len(prefix):]: np.array(v) for k, v in arrays.items() if k.startswith(prefix)}
 
 
+def _groups(arrays: Mapping[str, np.ndarray], prefix: str) -> dict[str, dict[str, np.ndarray]]:
+    """The groups ``prefix/<key>/<name>`` of a checkpoint by key, in one pass (a
+    per-client checkpoint may hold thousands of keys)."""
+    groups: dict[str, dict[str, np.ndarray]] = {}
+    for name, value in arrays.items():
+        if name.startswith(prefix):
+            key, _, tensor = name[len(prefix):].partition("/")
+            groups.setdefault(key, {})[tensor] = np.array(value)
+    return groups
+
+
 @dataclass
 class HeldReplica:
     """What the server knows of one client's replica, without a model per client.
@@ -407,7 +418,6 @@ class PerClientBroadcaster:
         """Bytes the server holds for clients: payload chains, dense replicas, bases."""
         held = [h for h in self.held.values() if h is not None]
         return {
-            "clients": len(self.held),
             "chain_bytes": sum(h.nbytes for h in held if h.dense is None),
             "dense_bytes": sum(h.nbytes for h in held if h.dense is not None),
             "dense_clients": sum(h.dense is not None for h in held),
@@ -548,12 +558,12 @@ class PerClientBroadcaster:
         self.forgotten = int(meta.get("forgotten", 0))
         self.held = {client: None for client in meta["unknown_replicas"]}
         self.bases = {0: self.initial}
-        for name in {k.split("/")[1] for k in arrays if k.startswith("dl-base/")}:
-            self.bases[int(name)] = _group(arrays, f"dl-base/{name}/")
+        self.bases.update({int(r): base for r, base in _groups(arrays, "dl-base/").items()})
         shapes = self.shapes
         if "replica_store" not in meta:  # a checkpoint that kept a model per client
+            replicas = _groups(arrays, "dl-replica/")
             for client, digest in meta.get("replica_digests", {}).items():
-                dense = _group(arrays, f"dl-replica/{client}/")
+                dense = replicas.get(str(client), {})
                 if {k: v.shape for k, v in dense.items()} == shapes:
                     self.held[str(client)] = HeldReplica(None, [], dense, str(digest),
                                                          self.round)
@@ -561,6 +571,7 @@ class PerClientBroadcaster:
                     self.forget(str(client))
             return
         chains = np.asarray(arrays.get("dl-chains", np.zeros(0, np.uint8))).tobytes()
+        denses = _groups(arrays, "dl-dense/")
         offset = 0
         for client, entry in meta["replica_store"].items():
             payloads = []
@@ -570,7 +581,7 @@ class PerClientBroadcaster:
             if offset > len(chains):  # a truncated checkpoint: the full model next
                 self.forget(str(client))
                 continue
-            dense = _group(arrays, f"dl-dense/{client}/") or None
+            dense = denses.get(str(client))
             base = entry["base"]
             if dense is not None and {k: v.shape for k, v in dense.items()} != shapes:
                 self.forget(str(client))  # an incomplete checkpoint: the full model next
