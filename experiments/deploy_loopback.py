@@ -35,10 +35,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from fedcomp.ops.cli import FLOWER_ENV, flower_env  # noqa: E402
-from fedcomp.ops.deploy import Loopback  # noqa: E402
+from fedcomp.ops.deploy import CLIENTAPP_MODES, Loopback  # noqa: E402
 
 # Flower prints each log line twice (console and a timestamped copy): take the latter.
 SIZE_LINE = re.compile(r"^\S+ \S+:INFO:(Incoming|Outgoing) message size: (\d+) bytes$", re.M)
+# The warm worker's log: one line each, "<date> <time> flwr:INFO: ...".
+WARM_SIZE_LINE = re.compile(
+    r"^\S+ \S+ flwr:INFO: (Incoming|Outgoing) message size: (\d+) bytes$", re.M)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -92,11 +95,11 @@ class CountingProxy:
             return self.up, self.down
 
 
-def run_deployment(work: Path, run_config: str, nodes: int
+def run_deployment(work: Path, run_config: str, nodes: int, clientapp: str
                    ) -> tuple[Path, dict[int, list], dict[int, tuple[int, int]]]:
     results = work / "results"
     deployment = Loopback(work / "deploy", flower_env(ROOT), nodes=nodes,
-                          node_config={"log-message-size": "true"})
+                          node_config={"log-message-size": "true"}, clientapp=clientapp)
     proxies = {i: CountingProxy(("127.0.0.1", deployment.port)) for i in range(nodes)}
     deployment.node_superlink = {i: p.address for i, p in proxies.items()}
     with deployment:
@@ -110,8 +113,15 @@ def run_deployment(work: Path, run_config: str, nodes: int
             raise SystemExit(f"deployment run failed:\n{proc.stdout[-3000:]}\n{proc.stderr}")
         sizes = {}
         for node in range(nodes):
-            text = deployment.log_path(f"supernode-{node}").read_text(errors="replace")
-            sizes[node] = [(kind, int(n)) for kind, n in SIZE_LINE.findall(text)]
+            # The ClientApp logs the sizes: in the SuperNode's log when Flower starts it
+            # per message, in its own log when it is the warm worker.
+            found = []
+            for name, pattern in ((f"supernode-{node}", SIZE_LINE),
+                                  (f"clientapp-{node}", WARM_SIZE_LINE)):
+                path = deployment.log_path(name)
+                if path.exists():
+                    found += pattern.findall(path.read_text(errors="replace"))
+            sizes[node] = [(kind, int(n)) for kind, n in found]
         wire = {i: tuple(a - b for a, b in zip(p.snapshot(), idle[i], strict=True))
                 for i, p in proxies.items()}
     return results / "deployment", sizes, wire
@@ -137,55 +147,70 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--clientapp", nargs="+", choices=CLIENTAPP_MODES,
+                        default=list(CLIENTAPP_MODES),
+                        help="how the SuperNodes run the ClientApp (each one deployed)")
     parser.add_argument("--json", default="", help="also write the numbers here")
     args = parser.parse_args()
     run_config = (f"dataset='digits' num-server-rounds={args.rounds} local-epochs=1 "
                   f"min-clients={args.nodes} downlink-codec='topk:ratio=0.05|quant:bits=8'")
+    deployed: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fedcomp-deploy-") as tmp:
         work = Path(tmp)
-        deployed, sizes, wire = run_deployment(work, run_config, args.nodes)
-        simulated = run_simulation(work, run_config, args.nodes)
-        dep_rounds, sim_rounds = _rows(deployed / "rounds.csv"), _rows(simulated / "rounds.csv")
-        clients = _rows(deployed / "clients.csv")
+        for mode in args.clientapp:
+            folder, sizes, wire = run_deployment(work / mode, run_config, args.nodes, mode)
+            deployed[mode] = {"rounds": _rows(folder / "rounds.csv"), "sizes": sizes,
+                              "wire": wire, "clients": _rows(folder / "clients.csv")}
+        sim_rounds = _rows(run_simulation(work, run_config, args.nodes) / "rounds.csv")
 
     # Round 1 includes start-up (processes, data loading): compare the rest.
-    dep_wall = [float(r["wall_s"]) for r in dep_rounds[1:]]
-    sim_wall = [float(r["wall_s"]) for r in sim_rounds[1:]]
-    print(f"{args.nodes} nodes, {args.rounds} rounds, {run_config}\n")
-    print("| | deployment (TLS, loopback) | simulation |\n|---|---|---|")
-    print(f"| wall s per round (rounds 2..{args.rounds}, median) | "
-          f"{statistics.median(dep_wall):.2f} | {statistics.median(sim_wall):.2f} |")
-    print(f"| final accuracy | {float(dep_rounds[-1]['accuracy']):.4f} | "
-          f"{float(sim_rounds[-1]['accuracy']):.4f} |")
+    def walls(rounds: list[dict[str, str]]) -> list[float]:
+        return [float(r["wall_s"]) for r in rounds[1:]]
 
-    print("\n| node | round | Flower in (B) | fedcomp downlink payload (B) | in - payload |"
-          " Flower out (B) | fedcomp uplink payload (B) | out - payload |")
-    print("|---|---|---|---|---|---|---|---|")
-    table = []
-    for node in range(args.nodes):
-        mine = [r for r in clients if int(float(r["partition-id"])) == node]
-        incoming = [n for kind, n in sizes[node] if kind == "Incoming"]
-        outgoing = [n for kind, n in sizes[node] if kind == "Outgoing"]
-        for row, size_in, size_out in zip(mine, incoming, outgoing, strict=False):
-            down, up = int(float(row["downlink-bytes"])), int(float(row["payload-bytes"]))
-            table.append({"node": node, "round": int(row["round"]), "flower_in": size_in,
-                          "fedcomp_down": down, "flower_out": size_out, "fedcomp_up": up})
-            print(f"| {node} | {row['round']} | {size_in:,} | {down:,} | {size_in - down:,} | "
-                  f"{size_out:,} | {up:,} | {size_out - up:,} |")
-    print("\n| node | wire bytes sent (TLS, all rounds) | fedcomp uplink payloads | "
-          "wire bytes received | fedcomp downlink payloads |\n|---|---|---|---|---|")
-    for node in range(args.nodes):
-        mine = [r for r in clients if int(float(r["partition-id"])) == node]
-        up = sum(int(float(r["payload-bytes"])) for r in mine)
-        down = sum(int(float(r["downlink-bytes"])) for r in mine)
-        sent, received = wire[node]
-        print(f"| {node} | {sent:,} | {up:,} | {received:,} | {down:,} |")
+    modes = list(deployed)
+    print(f"{args.nodes} nodes, {args.rounds} rounds, {run_config}\n")
+    print("| | " + " | ".join(f"deployed, {m} ClientApp (TLS, loopback)" for m in modes)
+          + " | simulation |\n|---|" + "---|" * (len(modes) + 1))
+    print(f"| wall s per round (rounds 2..{args.rounds}, median) | " + " | ".join(
+        f"{statistics.median(walls(deployed[m]['rounds'])):.2f}" for m in modes)
+        + f" | {statistics.median(walls(sim_rounds)):.2f} |")
+    print("| final accuracy | " + " | ".join(
+        f"{float(deployed[m]['rounds'][-1]['accuracy']):.4f}" for m in modes)
+        + f" | {float(sim_rounds[-1]['accuracy']):.4f} |")
+
+    report: dict[str, object] = {"simulation_wall_s": walls(sim_rounds), "deployments": {}}
+    for mode in modes:
+        result = deployed[mode]
+        print(f"\n{mode} ClientApp: message sizes (Flower's message_size_mod) against "
+              "fedcomp's payloads")
+        print("\n| node | round | Flower in (B) | fedcomp downlink payload (B) | in - payload |"
+              " Flower out (B) | fedcomp uplink payload (B) | out - payload |")
+        print("|---|---|---|---|---|---|---|---|")
+        table = []
+        for node in range(args.nodes):
+            mine = [r for r in result["clients"] if int(float(r["partition-id"])) == node]
+            incoming = [n for kind, n in result["sizes"][node] if kind == "Incoming"]
+            outgoing = [n for kind, n in result["sizes"][node] if kind == "Outgoing"]
+            for row, size_in, size_out in zip(mine, incoming, outgoing, strict=False):
+                down = int(float(row["downlink-bytes"]))
+                up = int(float(row["payload-bytes"]))
+                table.append({"node": node, "round": int(row["round"]), "flower_in": size_in,
+                              "fedcomp_down": down, "flower_out": size_out, "fedcomp_up": up})
+                print(f"| {node} | {row['round']} | {size_in:,} | {down:,} | "
+                      f"{size_in - down:,} | {size_out:,} | {up:,} | {size_out - up:,} |")
+        print("\n| node | wire bytes sent (TLS, all rounds) | fedcomp uplink payloads | "
+              "wire bytes received | fedcomp downlink payloads |\n|---|---|---|---|---|")
+        for node in range(args.nodes):
+            mine = [r for r in result["clients"] if int(float(r["partition-id"])) == node]
+            up = sum(int(float(r["payload-bytes"])) for r in mine)
+            down = sum(int(float(r["downlink-bytes"])) for r in mine)
+            sent, received = result["wire"][node]
+            print(f"| {node} | {sent:,} | {up:,} | {received:,} | {down:,} |")
+        report["deployments"][mode] = {  # type: ignore[index]
+            "wall_s": walls(result["rounds"]), "messages": table,
+            "wire": {str(k): v for k, v in result["wire"].items()}}
     if args.json:
-        Path(args.json).write_text(json.dumps({"deployment_wall_s": dep_wall,
-                                               "simulation_wall_s": sim_wall,
-                                               "messages": table,
-                                               "wire": {str(k): v for k, v in wire.items()}},
-                                              indent=1))
+        Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -180,7 +180,10 @@ def test_tls_deployment_with_node_auth_survives_a_supernode_restart(tmp_path):
     # happened in CI); or node 0 may have answered round 2 from memory before the kill.
     # Either way: exactly one read from the file, and no reply after round 1 ever starts
     # afresh (zero residual).
-    log = deployment.log_path("supernode-0").read_text()
+    # The warm ClientApp logs to its own file (it was restarted with the node).
+    log = "".join(deployment.log_path(name).read_text()
+                  for name in ("supernode-0", "clientapp-0")
+                  if deployment.log_path(name).exists())
     # (Flower's clientapp process echoes each log line through two handlers.)
     resumed = sorted({int(r) for r in re.findall(
         r"partition 0 resumed from state file .* in round (\d+)", log)})

@@ -279,10 +279,18 @@ def deploy(args: argparse.Namespace) -> int:
                                str(certs.node_public_key(args.node)), args.connection],
                               env=env, check=False).returncode
     if args.action == "supernode":
-        return _exec(dep.supernode_argv(
+        argv = dep.supernode_argv(
             certs, args.node, superlink=args.superlink, partition_id=args.partition_id,
             num_partitions=args.num_partitions, port=args.port, state_dir=args.state_dir,
-            data_dir=args.data_dir, log_message_size=args.log_message_size), env)
+            data_dir=args.data_dir, log_message_size=args.log_message_size,
+            clientapp=args.clientapp)
+        if args.clientapp == "warm":
+            # The SuperNode replaces this process (same pid): the worker watches that pid
+            # and exits with the node.
+            worker = dep.clientapp_worker_argv(args.port, parent_pid=os.getpid())
+            print("fedcomp: " + " ".join(worker), flush=True)
+            subprocess.Popen(worker, env=env)
+        return _exec(argv, env)
     if args.action == "run":
         return _run_app(args, federation=None, where=f"connection {args.connection}",
                         summary_required=False)
@@ -454,6 +462,10 @@ def _add_deploy_parser(commands) -> None:
     node.add_argument("--data-dir", default=None, help="this node's dataset location")
     node.add_argument("--log-message-size", action="store_true",
                       help="log every message's size (Flower's message_size_mod)")
+    node.add_argument("--clientapp", choices=("warm", "per-message"), default="warm",
+                      help="warm: one ClientApp process for the whole run (imports and "
+                           "data loaded once); per-message: Flower's fresh process per "
+                           "message")
     run = actions.add_parser("run", help="run the app on a deployment and check its status")
     run.add_argument("--app", default=".")
     run.add_argument("--connection", required=True)

@@ -203,13 +203,20 @@ def superlink_argv(certs: Certificates | None, *, host: str = "127.0.0.1", port:
 def supernode_argv(certs: Certificates | None, node: int, *, superlink: str,
                    partition_id: int, num_partitions: int, port: int = 9094,
                    state_dir: str | Path | None = None, data_dir: str | Path | None = None,
-                   log_message_size: bool = False) -> list[str]:
+                   log_message_size: bool = False, clientapp: str = "warm") -> list[str]:
     """``flower-supernode`` for one node: its key, its partition, its own disk.
 
     The node config tells the ClientApp which partition to load (from ``data_dir`` on
     this machine: the data never crosses the network) and where to keep its state
     between rounds (``state_dir``), so that a restarted SuperNode carries on.
+
+    ``clientapp`` is ``"warm"`` (the node starts no ClientApp itself: one
+    :func:`clientapp_worker_argv` process runs them all, see
+    :mod:`fedcomp.flower.warm`) or ``"per-message"`` (Flower's default: a fresh
+    ``flwr-clientapp`` process per message).
     """
+    if clientapp not in CLIENTAPP_MODES:
+        raise ValueError(f"clientapp must be one of {CLIENTAPP_MODES}, got {clientapp!r}")
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"partition-id must be in [0, {num_partitions}), got {partition_id}")
     node_config = [f"partition-id={partition_id}", f"num-partitions={num_partitions}"]
@@ -223,11 +230,26 @@ def supernode_argv(certs: Certificates | None, node: int, *, superlink: str,
         node_config.append("log-message-size=true")
     argv = [flower_tool("flower-supernode"), "--superlink", superlink, "--port", str(port),
             "--node-config", " ".join(node_config)]
+    if clientapp == "warm":
+        argv += ["--isolation", "process"]
     if certs is None:
         argv.append("--insecure")
     else:
         argv += ["--root-certificates", str(certs.ca_cert),
                  "--auth-supernode-private-key", str(certs.node_key(node))]
+    return argv
+
+
+#: How a SuperNode runs its ClientApp: one long-lived process, or Flower's one per message.
+CLIENTAPP_MODES = ("warm", "per-message")
+
+
+def clientapp_worker_argv(port: int, *, parent_pid: int | None = None) -> list[str]:
+    """The long-lived ClientApp process of the SuperNode whose Runtime API is ``port``."""
+    argv = [sys.executable, "-m", "fedcomp.flower.warm",
+            "--runtime-api-address", f"127.0.0.1:{port}"]
+    if parent_pid is not None:
+        argv += ["--parent-pid", str(parent_pid)]
     return argv
 
 
@@ -299,13 +321,19 @@ class Loopback:
         keys are registered; one spare key pair (``nodes``) is made but not registered.
     start_nodes
         Start the SuperNodes on entry (else call :meth:`start_node`).
+    clientapp
+        ``"warm"`` (one long-lived ClientApp process per node, ``clientapp-<i>``) or
+        ``"per-message"`` (Flower's process per message); see :func:`supernode_argv`.
     """
 
     connection = "loopback"
 
     def __init__(self, workdir: str | Path, env: dict[str, str], *, nodes: int = 2,
                  secure: bool = True, start_nodes: bool = True,
-                 node_config: dict[str, str] | None = None) -> None:
+                 node_config: dict[str, str] | None = None, clientapp: str = "warm") -> None:
+        if clientapp not in CLIENTAPP_MODES:
+            raise ValueError(f"clientapp must be one of {CLIENTAPP_MODES}, got {clientapp!r}")
+        self.clientapp = clientapp
         self.workdir = Path(workdir)
         self.env = {**env, "FLWR_HOME": str(self.workdir / "flwr-home")}
         self.nodes = nodes
@@ -388,8 +416,14 @@ class Loopback:
                               partition_id=node,
                               num_partitions=self.nodes, port=self.node_ports[node],
                               state_dir=self.state_dir(node),
-                              log_message_size=self.log_message_size)
-        return self._start(f"supernode-{node}", argv)
+                              log_message_size=self.log_message_size,
+                              clientapp=self.clientapp)
+        process = self._start(f"supernode-{node}", argv)
+        if self.clientapp == "warm":
+            self.stop(f"clientapp-{node}")
+            self._start(f"clientapp-{node}",
+                        clientapp_worker_argv(self.node_ports[node], parent_pid=process.pid))
+        return process
 
     def restart_node(self, node: int, timeout: float = 180.0) -> None:
         """Start SuperNode ``node`` again, retrying until the SuperLink accepts it.
@@ -441,7 +475,7 @@ class Loopback:
         signal; they name the server's address on their command line, which is how
         they are found here.
         """
-        for name in sorted(self.processes, key=lambda n: n == "superlink"):
+        for name in sorted(self.processes, key=lambda n: (n == "superlink", n.startswith("s"))):
             self.stop(name)
         addresses = [f"127.0.0.1:{port}".encode() for port in [self.port, *self.node_ports]]
         for pid in _processes_mentioning(addresses):
