@@ -472,8 +472,9 @@ def test_committed_runs_are_what_their_sweep_file_makes(folder):
 
 
 def test_committed_attack_runs_are_what_the_results_pages_commands_make():
-    """experiments/runs/faults-digits holds exactly the runs of the two digits commands
-    of the results page (every defence at seed 0; label flipping on seeds 0-3)."""
+    """experiments/runs/faults-* hold exactly the runs of the results page's commands
+    (digits: every defence at seed 0, label flipping on seeds 0-3; Fashion-MNIST: the
+    3x bound and the default against every attack, no defence against four)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -486,4 +487,13 @@ def test_committed_attack_runs_are_what_the_results_pages_commands_make():
                                   [0, 1, 2, 3])
     made = {r.run_id for r in every.runs} | {r.run_id for r in seeds.runs}
     committed = {p.name for p in (ROOT / "experiments/runs/faults-digits").glob("r-*")}
+    assert committed == made
+    # Fashion-MNIST: every attack behind the 3x bound and the default, four without one.
+    fashion = [tolerance.build_sweep("fashion-mnist", [defence], tolerance.ATTACKS,
+                                     [0.1, 0.3], 10, [0]) for defence in ("clip3x", "default")]
+    fashion.append(tolerance.build_sweep("fashion-mnist", ["none"],
+                                         ["signflip", "scale", "inflate", "labelflip"],
+                                         [0.1], 10, [0]))
+    made = {r.run_id for sweep in fashion for r in sweep.runs}
+    committed = {p.name for p in (ROOT / "experiments/runs/faults-fashion").glob("r-*")}
     assert committed == made
