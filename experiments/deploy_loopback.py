@@ -1,25 +1,30 @@
 """Deployment vs simulation: wall time per round, and the bytes that really travel.
 
-Runs the same config twice on this machine:
+Runs the same config on this machine:
 
 1. as a deployment on loopback (SuperLink with TLS and node authentication, one
-   SuperNode per partition; ``fedcomp.ops.deploy.Loopback``), with Flower's own
-   ``message_size_mod`` logging every message's size on each SuperNode;
+   SuperNode per partition; ``fedcomp.ops.deploy.Loopback``), once per ClientApp
+   mode (``warm``: one long-lived ClientApp per node; ``per-message``: Flower's
+   process per message), with Flower's own ``message_size_mod`` logging every
+   message's size;
 2. as a simulation (``flwr.simulation.run_simulation``) with as many virtual nodes.
 
-Then it prints wall seconds per round for both, per SuperNode and round the bytes
+Then it prints wall seconds per round for all, the wire bytes per round and node
+split into fedcomp's payloads and the protocol around them, per SuperNode and round the bytes
 Flower's mod logged (incoming, outgoing) next to the payload bytes fedcomp counted
 (``clients.csv``: ``downlink-bytes`` and ``payload-bytes``), and the bytes that
 really crossed loopback: each SuperNode dials the SuperLink through a small counting
 TCP relay (no packet capture tool is installed here).
 
     .venv/bin/python experiments/deploy_loopback.py [--rounds 5] [--nodes 2]
+        [--clientapp warm per-message] [--dataset digits|fashion-mnist] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import os
 import re
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,22 +101,36 @@ class CountingProxy:
             return self.up, self.down
 
 
-def run_deployment(work: Path, run_config: str, nodes: int, clientapp: str
-                   ) -> tuple[Path, dict[int, list], dict[int, tuple[int, int]]]:
+def run_deployment(work: Path, run_config: str, nodes: int, clientapp: str) -> dict:
+    """One deployed run; the wire bytes of each node counted in total and per round.
+
+    A round's wire bytes are those that crossed a node's relay between the moments the
+    ServerApp wrote the previous round's and this round's row of ``rounds.csv``: the
+    round's downlink message, the node's reply, and the polling and heartbeats between.
+    """
     results = work / "results"
     deployment = Loopback(work / "deploy", flower_env(ROOT), nodes=nodes,
                           node_config={"log-message-size": "true"}, clientapp=clientapp)
     proxies = {i: CountingProxy(("127.0.0.1", deployment.port)) for i in range(nodes)}
     deployment.node_superlink = {i: p.address for i, p in proxies.items()}
+    rounds_csv = results / "deployment" / "rounds.csv"
     with deployment:
         idle = {i: p.snapshot() for i, p in proxies.items()}  # connection set-up so far
-        proc = subprocess.run(
-            [sys.executable, "-m", "fedcomp.ops.cli", "deploy", "run", "--app", str(ROOT),
-             "--connection", deployment.connection, "--run-config", run_config,
-             "--run-name", "deployment", "--results-dir", str(results)],
-            env=deployment.env, capture_output=True, text=True, timeout=1800, check=False)
+        boundaries = [idle]
+        with (work / "runner.log").open("w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fedcomp.ops.cli", "deploy", "run", "--app", str(ROOT),
+                 "--connection", deployment.connection, "--run-config", run_config,
+                 "--run-name", "deployment", "--results-dir", str(results)],
+                env=deployment.env, stdout=log, stderr=subprocess.STDOUT)
+            while proc.poll() is None:
+                done = len(_rows(rounds_csv)) if rounds_csv.exists() else 0
+                if done >= len(boundaries):
+                    boundaries.append({i: p.snapshot() for i, p in proxies.items()})
+                time.sleep(0.05)
         if proc.returncode != 0:
-            raise SystemExit(f"deployment run failed:\n{proc.stdout[-3000:]}\n{proc.stderr}")
+            raise SystemExit(f"deployment run failed:\n"
+                             f"{(work / 'runner.log').read_text()[-3000:]}")
         sizes = {}
         for node in range(nodes):
             # The ClientApp logs the sizes: in the SuperNode's log when Flower starts it
@@ -124,7 +144,12 @@ def run_deployment(work: Path, run_config: str, nodes: int, clientapp: str
             sizes[node] = [(kind, int(n)) for kind, n in found]
         wire = {i: tuple(a - b for a, b in zip(p.snapshot(), idle[i], strict=True))
                 for i, p in proxies.items()}
-    return results / "deployment", sizes, wire
+    per_round = {node: [tuple(b - a for a, b in zip(before[node], after[node], strict=True))
+                        for before, after in itertools.pairwise(boundaries)]
+                 for node in range(nodes)}
+    folder = results / "deployment"
+    return {"rounds": _rows(folder / "rounds.csv"), "clients": _rows(folder / "clients.csv"),
+            "sizes": sizes, "wire": wire, "wire_per_round": per_round}
 
 
 def run_simulation(work: Path, run_config: str, nodes: int) -> Path:
@@ -143,6 +168,30 @@ def run_simulation(work: Path, run_config: str, nodes: int) -> Path:
     return work / "results" / "simulation"
 
 
+def _protocol_per_round(result: dict, nodes: int) -> tuple[float, ...]:
+    """Medians over rounds 2.. and nodes: wire, payload and protocol bytes, up then down.
+
+    Protocol bytes are what crossed the wire beyond fedcomp's payloads: TLS, HTTP,
+    Flower's message envelopes and metrics, polling and heartbeats.
+    """
+    samples: list[tuple[int, int, int, int]] = []
+    for node in range(nodes):
+        mine = {int(r["round"]): r for r in result["clients"]
+                if int(float(r["partition-id"])) == node}
+        for index, (up, down) in enumerate(result["wire_per_round"][node]):
+            row = mine.get(index + 1)
+            if index == 0 or row is None:  # round 1 carries start-up (the app bundle)
+                continue
+            samples.append((up, int(float(row["payload-bytes"])),
+                            down, int(float(row["downlink-bytes"]))))
+    if not samples:
+        return (float("nan"),) * 6
+    med = [statistics.median(column) for column in zip(*samples, strict=True)]
+    protocol_up = statistics.median(u - p for u, p, _, _ in samples)
+    protocol_down = statistics.median(d - p for _, _, d, p in samples)
+    return med[0], med[1], protocol_up, med[2], med[3], protocol_down
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -150,17 +199,25 @@ def main() -> None:
     parser.add_argument("--clientapp", nargs="+", choices=CLIENTAPP_MODES,
                         default=list(CLIENTAPP_MODES),
                         help="how the SuperNodes run the ClientApp (each one deployed)")
+    parser.add_argument("--dataset", default="digits", choices=("digits", "fashion-mnist"))
+    parser.add_argument("--run-config", default="",
+                        help="more run-config keys (e.g. \"local-epochs=0 local-steps=50\")")
     parser.add_argument("--json", default="", help="also write the numbers here")
     args = parser.parse_args()
-    run_config = (f"dataset='digits' num-server-rounds={args.rounds} local-epochs=1 "
-                  f"min-clients={args.nodes} downlink-codec='topk:ratio=0.05|quant:bits=8'")
+    from flwr.common.config import parse_config_args
+
+    keys = {"dataset": args.dataset, "num-server-rounds": args.rounds, "local-epochs": 1,
+            "min-clients": args.nodes, "downlink-codec": "topk:ratio=0.05|quant:bits=8",
+            **(parse_config_args([args.run_config]) if args.run_config else {})}
+    run_config = " ".join(
+        f"{key}='{value}'" if isinstance(value, str)
+        else f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in keys.items())
     deployed: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="fedcomp-deploy-") as tmp:
         work = Path(tmp)
         for mode in args.clientapp:
-            folder, sizes, wire = run_deployment(work / mode, run_config, args.nodes, mode)
-            deployed[mode] = {"rounds": _rows(folder / "rounds.csv"), "sizes": sizes,
-                              "wire": wire, "clients": _rows(folder / "clients.csv")}
+            deployed[mode] = run_deployment(work / mode, run_config, args.nodes, mode)
         sim_rounds = _rows(run_simulation(work, run_config, args.nodes) / "rounds.csv")
 
     # Round 1 includes start-up (processes, data loading): compare the rest.
@@ -174,6 +231,13 @@ def main() -> None:
     print(f"| wall s per round (rounds 2..{args.rounds}, median) | " + " | ".join(
         f"{statistics.median(walls(deployed[m]['rounds'])):.2f}" for m in modes)
         + f" | {statistics.median(walls(sim_rounds)):.2f} |")
+    protocol = {m: _protocol_per_round(deployed[m], args.nodes) for m in modes}
+    for index, (label, unit) in enumerate((("wire bytes up", "B"), ("of it payload", "B"),
+                                           ("protocol bytes up", "B"),
+                                           ("wire bytes down", "B"), ("of it payload", "B"),
+                                           ("protocol bytes down", "B"))):
+        print(f"| {label} per round and node (median, rounds 2..{args.rounds}) | "
+              + " | ".join(f"{protocol[m][index]:,.0f} {unit}" for m in modes) + " | |")
     print("| final accuracy | " + " | ".join(
         f"{float(deployed[m]['rounds'][-1]['accuracy']):.4f}" for m in modes)
         + f" | {float(sim_rounds[-1]['accuracy']):.4f} |")
@@ -189,9 +253,15 @@ def main() -> None:
         table = []
         for node in range(args.nodes):
             mine = [r for r in result["clients"] if int(float(r["partition-id"])) == node]
+            # Round 1 starts with the partition query: align the train messages from
+            # the last one back.
             incoming = [n for kind, n in result["sizes"][node] if kind == "Incoming"]
             outgoing = [n for kind, n in result["sizes"][node] if kind == "Outgoing"]
-            for row, size_in, size_out in zip(mine, incoming, outgoing, strict=False):
+            if not incoming:
+                print(f"| {node} | (Flower's process per message logged no sizes here) |")
+                continue
+            for row, size_in, size_out in zip(mine, incoming[-len(mine):],
+                                              outgoing[-len(mine):], strict=False):
                 down = int(float(row["downlink-bytes"]))
                 up = int(float(row["payload-bytes"]))
                 table.append({"node": node, "round": int(row["round"]), "flower_in": size_in,
@@ -208,6 +278,10 @@ def main() -> None:
             print(f"| {node} | {sent:,} | {up:,} | {received:,} | {down:,} |")
         report["deployments"][mode] = {  # type: ignore[index]
             "wall_s": walls(result["rounds"]), "messages": table,
+            "per_round_median": dict(zip(
+                ("wire_up", "payload_up", "protocol_up", "wire_down", "payload_down",
+                 "protocol_down"), protocol[mode], strict=True)),
+            "wire_per_round": {str(k): v for k, v in result["wire_per_round"].items()},
             "wire": {str(k): v for k, v in result["wire"].items()}}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
