@@ -151,12 +151,23 @@ def _load_saved(context: Context, partition_id: int):
     return saved, state_path, from_file
 
 
+class EmptyPartitionError(RuntimeError):
+    """This node's partition of the dataset holds no training example."""
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     resolved = _settings(msg, context)
     cfg, server_round, clip_now = resolved.cfg, resolved.server_round, resolved.clip_now
     partition_id = int(context.node_config["partition-id"])
     data = _load_data(cfg, context)
+    if len(data) == 0:
+        # Flower answers the server with this reason (the node counts as failed), rather
+        # than an update over no examples, which the server would reject as malformed.
+        raise EmptyPartitionError(
+            f"partition {partition_id} of {context.node_config['num-partitions']} holds no "
+            f"training examples ({cfg.partitioning!r} split of {cfg.task_name!r}): nothing "
+            "to train on; use fewer partitions or another split")
     # The attacks that change what this client trains (the rest are misbehave's).
     plan = _misbehaviour(msg, context)
     if plan.flip_labels:

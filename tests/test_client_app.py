@@ -61,3 +61,18 @@ def test_a_restarted_node_resumes_its_residual_from_its_state_dir(tmp_path, capl
     other = train(_message(server, 1, None), _context(tmp_path, run_id=8))
     assert other.content["metrics"]["residual-norm-in"] == 0.0
     assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_node_whose_partition_is_empty_says_so_instead_of_training(tmp_path, monkeypatch):
+    import numpy as np
+
+    import clients.app as client_app
+    from fedcomp.tasks.data import ArrayDataset
+
+    empty = ArrayDataset(np.zeros((0, 64), np.float32), np.zeros(0, np.int64))
+    monkeypatch.setattr(client_app, "_load_data", lambda cfg, context: empty)
+    server = Broadcaster(state_arrays(build_model("digits", seed=0)), CFG.downlink_policy)
+    with pytest.raises(client_app.EmptyPartitionError,
+                       match=r"partition 0 of 3 holds no training examples"):
+        train(_message(server, 1, None), _context(tmp_path))
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing saved
