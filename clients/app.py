@@ -34,12 +34,13 @@ from fedcomp.federated.client_round import (
 from fedcomp.federated.downlink import Replica, ReplicaOutOfSync
 from fedcomp.federated.faults import ClientMisbehaviour, InjectedFault, misbehaviour, tamper
 from fedcomp.flower import (
-    downlink_from_record,
+    PAYLOAD_KEY,
+    UPDATE_KEY,
     load_client_state,
-    outcomes_from_record,
     payload_from_record,
-    payload_to_record,
+    reply_content,
     save_client_state,
+    train_parts,
 )
 from fedcomp.tasks.data import ArrayDataset, load_partition
 from fedcomp.tasks.models import model_shapes
@@ -59,7 +60,7 @@ _SETTINGS_KEY = "fedcomp-settings"
 def _settings(msg: Message, context: Context) -> RoundSettings:
     """The train message's run config: sent in full (then kept), or by digest."""
     kept = context.state[_SETTINGS_KEY] if _SETTINGS_KEY in context.state else None
-    resolved = resolve_settings(msg.content["config"],
+    resolved = resolve_settings(train_parts(msg.content)[0],
                                 kept=dict(kept) if kept is not None else None,
                                 run_config=dict(context.run_config))
     if resolved.to_keep is not None:
@@ -83,21 +84,21 @@ def misbehave(msg: Message, context: Context, call_next) -> Message:
     if msg.metadata.message_type != MessageType.TRAIN:
         return call_next(msg, context)
     plan = _misbehaviour(msg, context)
+    server_round = int(train_parts(msg.content)[0]["server-round"])
     if plan.drop_out:
-        raise InjectedFault(f"injected dropout (round "
-                            f"{msg.content['config']['server-round']}, partition "
+        raise InjectedFault(f"injected dropout (round {server_round}, partition "
                             f"{context.node_config['partition-id']})")
     reply = call_next(msg, context)
     if plan.honest or reply.has_error():
         return reply
     time.sleep(plan.delay_s)
     if plan.tamper:
-        payload = payload_from_record(reply.content["update"])
-        rng = np.random.default_rng([int(msg.content["config"]["server-round"]),
-                                     int(context.node_config["partition-id"])])
+        update = reply.content[UPDATE_KEY]
+        payload = payload_from_record(update)
+        rng = np.random.default_rng([server_round, int(context.node_config["partition-id"])])
         for kind in plan.tamper:
             payload = tamper(kind, payload, rng)
-        reply.content["update"] = payload_to_record(payload)
+        update[PAYLOAD_KEY] = payload
     metrics = reply.content["metrics"]
     if plan.examples is not None and "num-examples" in metrics:
         metrics["num-examples"] = plan.examples
@@ -180,11 +181,10 @@ def train(msg: Message, context: Context) -> Message:
                  partition_id, state_path, server_round)
     state = ClientState.from_arrays(cfg, saved, model_shapes(cfg.task_name))
     try:
-        # What the server did with this node's recent updates (older servers: nothing).
-        outcomes = (outcomes_from_record(msg.content["outcomes"])
-                    if "outcomes" in msg.content else None)
-        result = run_client_round(cfg, state, downlink_from_record(msg.content["downlink"]),
-                                  data, server_round=server_round, client_seed=partition_id,
+        # With the downlink, what the server did with this node's recent updates.
+        _, downlink, outcomes = train_parts(msg.content)
+        result = run_client_round(cfg, state, downlink, data,
+                                  server_round=server_round, client_seed=partition_id,
                                   delta_scale=plan.delta_scale,
                                   clip_norm=clip_now,
                                   outcomes=outcomes)
@@ -194,12 +194,8 @@ def train(msg: Message, context: Context) -> Message:
         raise
     _save(context, state, state_path, partition_id, server_round)
     metrics = {**result.metrics, "state-from-file": float(from_file)}
-    content = RecordDict({
-        "update": payload_to_record(result.payload),
-        "metrics": MetricRecord(metrics),
-        "replica": ConfigRecord({"digest": result.replica_digest}),
-    })
-    return Message(content=content, reply_to=msg)
+    return Message(content=reply_content(result.payload, result.replica_digest, metrics),
+                   reply_to=msg)
 
 
 def _save(context: Context, state: ClientState, path, partition_id: int,

@@ -59,7 +59,7 @@ from fedcomp.federated.replies import ReplyError, parse_reply_metrics
 from fedcomp.federated.sampling import order_nodes, parse_partition_id, sample_nodes
 from fedcomp.federated.server_opt import ServerOptimizer
 from fedcomp.federated.server_state import ServerState
-from fedcomp.flower import downlink_to_record, outcomes_to_record, reply_parts
+from fedcomp.flower import reply_parts, train_content
 from fedcomp.ops.results import RoundRecord
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
@@ -258,10 +258,8 @@ class CompressedFedAvg(FedAvg):
             downlink = self.broadcaster.send(who)
             self._expected_digest[node] = self.broadcaster.digest_for(who)
             self._sent[node] = downlink.nbytes
-            content = RecordDict({
-                "config": short if node in self._holds_settings else full,
-                "downlink": downlink_to_record(downlink),
-                "outcomes": outcomes_to_record(self.state.outcomes.for_node(node))})
+            content = train_content(short if node in self._holds_settings else full,
+                                    downlink, self.state.outcomes.for_node(node))
             messages.append(Message(content=content, message_type=MessageType.TRAIN,
                                     dst_node_id=node))
         log.info("round %d: sampled %d nodes, downlink %d bytes", server_round, len(nodes),

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 import pytest
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 
 from clients.app import train
 from fedcomp.config import RunConfig
 from fedcomp.federated.downlink import Broadcaster
-from fedcomp.flower import downlink_to_record
+from fedcomp.flower import train_content
 from fedcomp.tasks.models import build_model
 from fedcomp.tasks.training import state_arrays
 
@@ -26,10 +26,8 @@ def _task_identity(monkeypatch):
 
 
 def _message(server: Broadcaster, server_round: int, replica_round: int | None) -> Message:
-    content = RecordDict({
-        "config": ConfigRecord({**CFG.to_mapping(), "server-round": server_round}),
-        "downlink": downlink_to_record(server.message_for(replica_round)),
-    })
+    content = train_content({**CFG.to_mapping(), "server-round": server_round},
+                            server.message_for(replica_round), {})
     return Message(content=content, message_type=MessageType.TRAIN, dst_node_id=1)
 
 

@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 import clients.app as client_module
@@ -33,7 +33,7 @@ def simulate(cfg: RunConfig, num_supernodes: int, corrupt_partition: int | None 
         if int(context.node_config["partition-id"]) == corrupt_partition:
             payload = bytearray(payload_from_record(reply.content["update"]))
             payload[len(payload) // 2] ^= 0x01  # one flipped bit on the way
-            reply.content["update"] = ConfigRecord({"payload": bytes(payload)})
+            reply.content["update"]["payload"] = bytes(payload)
         return reply
 
     return run_simulation_in_process(cfg, num_supernodes=num_supernodes, client_app=client)

@@ -7,7 +7,7 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs.policy import encode_update
 from fedcomp.federated.downlink import model_digest
-from fedcomp.flower import payload_to_record
+from fedcomp.flower import reply_content, train_parts
 from strategies.compressed import CompressedFedAvg
 from tests.conftest import STRATEGY_SHAPES
 
@@ -27,11 +27,8 @@ def _reply(request: Message, strategy: CompressedFedAvg, round_: int, node: int)
     delta = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     payload = encode_update(delta, strategy.cfg.uplink_policy, rng=rng,
                             meta={"round": round_}).payload
-    content = RecordDict({
-        "update": payload_to_record(payload),
-        "metrics": MetricRecord({"num-examples": 10.0, "partition-id": float(node)}),
-        "replica": ConfigRecord({"digest": model_digest(strategy.broadcaster.model)}),
-    })
+    content = reply_content(payload, model_digest(strategy.broadcaster.model),
+                            {"num-examples": 10.0, "partition-id": float(node)})
     reply = Message(content=content, reply_to=request)
     return reply
 
@@ -42,6 +39,8 @@ def test_late_replies_are_counted_and_the_round_goes_on(make_strategy):
     assert len(messages) == 4
     # Flower's message_size_mod sizes every record; it fails on empty strings and lists.
     assert all(r.count_bytes() > 0 for m in messages for r in m.content.values())
+    # One record a train message: Flower moves each record as its own request.
+    assert all(list(m.content.keys()) == ["train"] for m in messages)
     # Two of four nodes answered before the timeout.
     replies = [_reply(m, strategy, 1, m.metadata.dst_node_id) for m in messages[:2]]
     arrays, _ = strategy.aggregate_train(1, replies)
@@ -52,14 +51,11 @@ def test_late_replies_are_counted_and_the_round_goes_on(make_strategy):
 
 
 def test_each_node_hears_whether_its_last_update_was_applied(make_strategy):
-    from fedcomp.flower import outcomes_from_record
-
     strategy = make_strategy(min_clients=2)
     grid = FakeGrid([11, 12, 13])
 
     def outcomes(messages):
-        return {m.metadata.dst_node_id: outcomes_from_record(m.content["outcomes"])
-                for m in messages}
+        return {m.metadata.dst_node_id: train_parts(m.content)[2] for m in messages}
 
     first = list(strategy.configure_train(1, None, ConfigRecord(), grid))
     assert outcomes(first) == {11: {}, 12: {}, 13: {}}
@@ -112,7 +108,6 @@ class QueryingGrid(FakeGrid):
 def test_per_client_downlink_checks_each_replica_and_forgets_what_it_cannot_know(
         make_strategy):
     from fedcomp.federated.downlink import Replica
-    from fedcomp.flower import downlink_from_record
 
     strategy = make_strategy(downlink_codec="topk:ratio=0.1|quant:bits=4",
                              downlink_mode="per-client", seed=1)
@@ -125,13 +120,13 @@ def test_per_client_downlink_checks_each_replica_and_forgets_what_it_cannot_know
         kinds, replies = {}, []
         for message in messages:
             node = message.metadata.dst_node_id
-            downlink = downlink_from_record(message.content["downlink"])
+            downlink = train_parts(message.content)[1]
             kinds[node] = downlink.kind
             replicas[node].apply(downlink, strategy.broadcaster.shapes,
                                  strategy.cfg.downlink_policy, initial=initial)
             reply = _reply(message, strategy, server_round, node)
             held = "0" * 64 if node in wrong_digest else model_digest(replicas[node].model)
-            reply.content["replica"] = ConfigRecord({"digest": held})
+            reply.content["update"]["digest"] = held
             if node in answering:
                 replies.append(reply)
         strategy.aggregate_train(server_round, replies)
@@ -158,17 +153,19 @@ def test_the_run_config_goes_in_full_until_a_node_has_answered_then_by_digest(ma
     grid = FakeGrid([11, 12, 13])
 
     def full(messages):
-        return {m.metadata.dst_node_id: "codec" in m.content["config"] for m in messages}
+        return {m.metadata.dst_node_id: "codec" in train_parts(m.content)[0]
+                for m in messages}
 
     first = list(strategy.configure_train(1, None, ConfigRecord(), grid))
     assert full(first) == {11: True, 12: True, 13: True}
     digest = strategy.cfg.settings_digest()
-    assert all(m.content["config"]["settings-digest"] == digest for m in first)
+    assert all(train_parts(m.content)[0]["settings-digest"] == digest for m in first)
     # 11 answers; 12 fails (a restarted node may have lost them); 13 does not answer.
     failed = Message(Error(code=0, reason="lost"), reply_to=first[1])
     strategy.aggregate_train(1, [_reply(first[0], strategy, 1, 11), failed])
     second = list(strategy.configure_train(2, None, ConfigRecord(), grid))
     assert full(second) == {11: False, 12: True, 13: True}
-    short = second[0].content["config"]
+    short = train_parts(second[0].content)[0]
     assert set(short.keys()) == {"server-round", "settings-digest"}
-    assert short.count_bytes() * 10 < second[1].content["config"].count_bytes()
+    in_full = train_parts(second[1].content)[0]
+    assert ConfigRecord(short).count_bytes() * 10 < ConfigRecord(in_full).count_bytes()

@@ -22,8 +22,12 @@ from fedcomp.federated.replies import ReplyError, parse_digest
 from fedcomp.flower.interop import CompressedUplink, compression_mod
 
 __all__ = [
+    "DIGEST_KEY",
+    "METRICS_KEY",
     "PAYLOAD_KEY",
     "STATE_PREFIX",
+    "TRAIN_KEY",
+    "UPDATE_KEY",
     "CompressedUplink",
     "compression_mod",
     "downlink_from_record",
@@ -34,9 +38,12 @@ __all__ = [
     "payload_from_record",
     "payload_to_record",
     "record_to_state",
+    "reply_content",
     "reply_parts",
     "save_client_state",
     "state_to_record",
+    "train_content",
+    "train_parts",
 ]
 
 #: Most rounds an outcomes record may describe (the server sends a node's latest few).
@@ -47,6 +54,16 @@ STATE_PREFIX = "fedcomp."
 
 #: Key of the compressed update inside a reply's ConfigRecord.
 PAYLOAD_KEY = "payload"
+
+#: Key of the replica digest beside it.
+DIGEST_KEY = "digest"
+
+#: A train reply's records: the update (payload and digest) and the metrics.
+UPDATE_KEY, METRICS_KEY = "update", "metrics"
+
+#: A train message's one record, and the prefixes of the downlink's and the outcomes'
+#: entries in it (run-config keys never contain a dot).
+TRAIN_KEY, DOWNLINK_PREFIX, OUTCOMES_PREFIX = "train", "downlink.", "outcomes."
 
 
 def state_to_record(state: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -73,6 +90,18 @@ def payload_from_record(record: ConfigRecord) -> bytes:
     return value
 
 
+def reply_content(payload: bytes, digest: str, metrics: Mapping[str, float]) -> RecordDict:
+    """A train reply: the payload and the replica digest in one record, the metrics in
+    another.
+
+    Flower 1.42 moves every record of a message as its own signed HTTP request (about
+    1 kB of headers each), so a reply carries as few records as it can.
+    """
+    update = payload_to_record(payload)
+    update[DIGEST_KEY] = digest
+    return RecordDict({UPDATE_KEY: update, METRICS_KEY: MetricRecord(dict(metrics))})
+
+
 def reply_parts(content: RecordDict) -> tuple[bytes, dict[str, Any], str]:
     """A train reply's payload bytes, raw metrics and replica digest.
 
@@ -81,17 +110,52 @@ def reply_parts(content: RecordDict) -> tuple[bytes, dict[str, Any], str]:
     :func:`~fedcomp.federated.replies.parse_reply_metrics`.
     """
     parts = {}
-    for key, kind in (("update", ConfigRecord), ("metrics", MetricRecord),
-                      ("replica", ConfigRecord)):
+    for key, kind in ((UPDATE_KEY, ConfigRecord), (METRICS_KEY, MetricRecord)):
         record = content[key] if key in content else None
         if not isinstance(record, kind):
             raise ReplyError(f"reply lacks a {kind.__name__} {key!r}")
         parts[key] = record
     try:
-        payload = payload_from_record(parts["update"])
+        payload = payload_from_record(parts[UPDATE_KEY])
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
-    return payload, dict(parts["metrics"]), parse_digest(parts["replica"].get("digest"))
+    return (payload, dict(parts[METRICS_KEY]),
+            parse_digest(parts[UPDATE_KEY].get(DIGEST_KEY)))
+
+
+def train_content(settings: Mapping[str, Any], downlink: DownlinkMessage,
+                  outcomes: Mapping[int, bool]) -> RecordDict:
+    """A train message: the run settings, the downlink and the node's recent outcomes
+    in one record (one HTTP request in Flower 1.42 instead of three)."""
+    record = ConfigRecord(dict(settings))
+    for prefix, part in ((DOWNLINK_PREFIX, downlink_to_record(downlink)),
+                         (OUTCOMES_PREFIX, outcomes_to_record(outcomes))):
+        for key, value in part.items():
+            record[prefix + key] = value
+    return RecordDict({TRAIN_KEY: record})
+
+
+def train_parts(content: RecordDict
+                ) -> tuple[dict[str, Any], DownlinkMessage, dict[int, bool] | None]:
+    """Inverse of :func:`train_content`: (settings, downlink, outcomes or None).
+
+    A missing or malformed record raises ``ValueError``.
+    """
+    record = content[TRAIN_KEY] if TRAIN_KEY in content else None
+    if not isinstance(record, ConfigRecord):
+        raise ValueError(f"train message lacks a ConfigRecord {TRAIN_KEY!r}")
+    settings: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {DOWNLINK_PREFIX: {}, OUTCOMES_PREFIX: {}}
+    for key, value in record.items():
+        prefix = next((p for p in parts if key.startswith(p)), None)
+        if prefix is None:
+            settings[key] = value
+        else:
+            parts[prefix][key[len(prefix):]] = value
+    downlink = downlink_from_record(ConfigRecord(parts[DOWNLINK_PREFIX]))
+    outcomes = (outcomes_from_record(ConfigRecord(parts[OUTCOMES_PREFIX]))
+                if parts[OUTCOMES_PREFIX] else None)
+    return settings, downlink, outcomes
 
 
 def downlink_to_record(message: DownlinkMessage) -> ConfigRecord:
