@@ -68,9 +68,8 @@ def _settings(msg: Message, context: Context) -> RoundSettings:
     return resolved
 
 
-def _misbehaviour(msg: Message, context: Context) -> ClientMisbehaviour:
+def _misbehaviour(resolved: RoundSettings, context: Context) -> ClientMisbehaviour:
     """What the run's fault and attack plans make this node do in this train round."""
-    resolved = _settings(msg, context)
     cfg, server_round = resolved.cfg, resolved.server_round
     return misbehaviour(cfg.fault_plan, cfg.attack_plan, server_round=server_round,
                         partition_id=int(context.node_config["partition-id"]),
@@ -83,8 +82,8 @@ def misbehave(msg: Message, context: Context, call_next) -> Message:
     sleep past the timeout, tamper with the payload, lie about the example count."""
     if msg.metadata.message_type != MessageType.TRAIN:
         return call_next(msg, context)
-    plan = _misbehaviour(msg, context)
-    server_round = int(train_parts(msg.content)[0]["server-round"])
+    resolved = _settings(msg, context)
+    plan, server_round = _misbehaviour(resolved, context), resolved.server_round
     if plan.drop_out:
         raise InjectedFault(f"injected dropout (round {server_round}, partition "
                             f"{context.node_config['partition-id']})")
@@ -170,7 +169,7 @@ def train(msg: Message, context: Context) -> Message:
             f"training examples ({cfg.partitioning!r} split of {cfg.task_name!r}): nothing "
             "to train on; use fewer partitions or another split")
     # The attacks that change what this client trains (the rest are misbehave's).
-    plan = _misbehaviour(msg, context)
+    plan = _misbehaviour(resolved, context)
     if plan.flip_labels:
         data = ArrayDataset(data.x, (9 - data.y) % 10)
     # State lives in context.state; with a node-config `state-dir` it is also kept on

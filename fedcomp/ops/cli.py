@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_deploy_parser(commands) -> None:
+    from fedcomp.ops.deploy import CLIENTAPP_MODES
+
     dep = commands.add_parser(
         "deploy", help="SuperLink and SuperNodes on several machines (TLS + node auth)")
     actions = dep.add_subparsers(dest="action", required=True)
@@ -462,7 +464,7 @@ def _add_deploy_parser(commands) -> None:
     node.add_argument("--data-dir", default=None, help="this node's dataset location")
     node.add_argument("--log-message-size", action="store_true",
                       help="log every message's size (Flower's message_size_mod)")
-    node.add_argument("--clientapp", choices=("warm", "per-message"), default="warm",
+    node.add_argument("--clientapp", choices=CLIENTAPP_MODES, default="warm",
                       help="warm: one ClientApp process for the whole run (imports and "
                            "data loaded once); per-message: Flower's fresh process per "
                            "message")
