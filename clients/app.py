@@ -34,12 +34,14 @@ from fedcomp.federated.client_round import (
 from fedcomp.federated.downlink import Replica, ReplicaOutOfSync
 from fedcomp.federated.faults import ClientMisbehaviour, InjectedFault, misbehaviour, tamper
 from fedcomp.flower import (
+    NODE_KEY,
     PAYLOAD_KEY,
     UPDATE_KEY,
     load_client_state,
     payload_from_record,
     reply_content,
     save_client_state,
+    set_reply_metric,
     train_parts,
 )
 from fedcomp.tasks.data import ArrayDataset, load_partition
@@ -98,9 +100,8 @@ def misbehave(msg: Message, context: Context, call_next) -> Message:
         for kind in plan.tamper:
             payload = tamper(kind, payload, rng)
         update[PAYLOAD_KEY] = payload
-    metrics = reply.content["metrics"]
-    if plan.examples is not None and "num-examples" in metrics:
-        metrics["num-examples"] = plan.examples
+    if plan.examples is not None:
+        set_reply_metric(reply.content, "num-examples", plan.examples)
     return reply
 
 
@@ -115,7 +116,7 @@ def query(msg: Message, context: Context) -> Message:
     replica and checks the digest before it sends a catch-up to a (re)connected node.
     """
     partition_id = int(context.node_config["partition-id"])
-    content = RecordDict({"node": MetricRecord({"partition-id": partition_id})})
+    content = RecordDict({NODE_KEY: MetricRecord({"partition-id": partition_id})})
     settings = dict(msg.content["config"])
     if "dp-plan" in str(settings.pop("ask", "")).split():
         cfg = RunConfig.from_mapping(settings)

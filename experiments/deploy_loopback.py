@@ -10,11 +10,13 @@ Runs the same config on this machine:
 2. as a simulation (``flwr.simulation.run_simulation``) with as many virtual nodes.
 
 Then it prints wall seconds per round for all, the wire bytes per round and node
-split into fedcomp's payloads and the protocol around them, per SuperNode and round the bytes
-Flower's mod logged (incoming, outgoing) next to the payload bytes fedcomp counted
-(``clients.csv``: ``downlink-bytes`` and ``payload-bytes``), and the bytes that
-really crossed loopback: each SuperNode dials the SuperLink through a small counting
-TCP relay (no packet capture tool is installed here).
+split into fedcomp's payloads and the protocol around them (as the relays counted them,
+and as the run itself recorded them in ``rounds.csv``: the two must agree), per
+SuperNode and round the bytes Flower's mod logged (incoming, outgoing) next to the
+payload bytes fedcomp counted (``clients.csv``: ``downlink-bytes`` and
+``payload-bytes``), and the bytes that really crossed loopback: each SuperNode dials
+the SuperLink through a small counting TCP relay (no packet capture tool is installed
+here).
 
     .venv/bin/python experiments/deploy_loopback.py [--rounds 5] [--nodes 2]
         [--clientapp warm per-message] [--dataset digits|fashion-mnist] [--json FILE]
@@ -192,6 +194,20 @@ def _protocol_per_round(result: dict, nodes: int) -> tuple[float, ...]:
     return med[0], med[1], protocol_up, med[2], med[3], protocol_down
 
 
+def _product_per_round(result: dict) -> tuple[float, ...]:
+    """What the run itself recorded (``rounds.csv``, counted by each node's warm worker
+    from the kernel's TCP counters): medians over rounds 2.. of wire and protocol bytes
+    per node, up then down; NaN where no node reported (Flower's process per message)."""
+    samples = [(int(r["wire_up_bytes"]) / int(r["wire_nodes"]),
+                int(r["protocol_up_bytes"]) / int(r["wire_nodes"]),
+                int(r["wire_down_bytes"]) / int(r["wire_nodes"]),
+                int(r["protocol_down_bytes"]) / int(r["wire_nodes"]))
+               for r in result["rounds"][1:] if int(r.get("wire_nodes") or 0)]
+    if not samples:
+        return (float("nan"),) * 4
+    return tuple(statistics.median(column) for column in zip(*samples, strict=True))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -238,6 +254,11 @@ def main() -> None:
                                            ("protocol bytes down", "B"))):
         print(f"| {label} per round and node (median, rounds 2..{args.rounds}) | "
               + " | ".join(f"{protocol[m][index]:,.0f} {unit}" for m in modes) + " | |")
+    product = {m: _product_per_round(deployed[m]) for m in modes}
+    for index, label in enumerate(("wire bytes up", "protocol bytes up", "wire bytes down",
+                                   "protocol bytes down")):
+        print(f"| {label} per round and node, as the run recorded it (rounds.csv, median) | "
+              + " | ".join(f"{product[m][index]:,.0f} B" for m in modes) + " | |")
     print("| final accuracy | " + " | ".join(
         f"{float(deployed[m]['rounds'][-1]['accuracy']):.4f}" for m in modes)
         + f" | {float(sim_rounds[-1]['accuracy']):.4f} |")
@@ -281,6 +302,9 @@ def main() -> None:
             "per_round_median": dict(zip(
                 ("wire_up", "payload_up", "protocol_up", "wire_down", "payload_down",
                  "protocol_down"), protocol[mode], strict=True)),
+            "recorded_per_round_median": dict(zip(
+                ("wire_up", "protocol_up", "wire_down", "protocol_down"), product[mode],
+                strict=True)),
             "wire_per_round": {str(k): v for k, v in result["wire_per_round"].items()},
             "wire": {str(k): v for k, v in result["wire"].items()}}
     if args.json:

@@ -59,7 +59,15 @@ from fedcomp.federated.replies import ReplyError, parse_reply_metrics
 from fedcomp.federated.sampling import order_nodes, parse_partition_id, sample_nodes
 from fedcomp.federated.server_opt import ServerOptimizer
 from fedcomp.federated.server_state import ServerState
-from fedcomp.flower import reply_parts, train_content
+from fedcomp.federated.wire_bytes import WireLedger
+from fedcomp.flower import (
+    NODE_KEY,
+    WIRE_RECEIVED_KEY,
+    WIRE_SENT_KEY,
+    WIRE_SINCE_KEY,
+    reply_parts,
+    train_content,
+)
 from fedcomp.ops.results import RoundRecord
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
@@ -67,6 +75,9 @@ from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
 __all__ = ["CompressedFedAvg", "RoundStats"]
 
 log = logging.getLogger(__name__)
+
+#: What a deployed node's warm worker adds to each reply (fedcomp.federated.wire_bytes).
+_WIRE_KEYS = (WIRE_SENT_KEY, WIRE_RECEIVED_KEY, WIRE_SINCE_KEY)
 
 
 @dataclass
@@ -143,6 +154,8 @@ class CompressedFedAvg(FedAvg):
         #: their digest (1.5 kB less per message) until it fails or misses a reply.
         self._settings_digest = cfg.settings_digest()
         self._holds_settings: set[int] = set()
+        #: Deployed nodes' wire counters, turned into bytes per round.
+        self.wire = WireLedger()
 
     # The parts of the state the ServerApp reads.
     @property
@@ -200,8 +213,9 @@ class CompressedFedAvg(FedAvg):
             try:
                 if reply.has_error():
                     raise ValueError(reply.error.reason)
-                self.partition_of[node] = parse_partition_id(
-                    reply.content["node"]["partition-id"])
+                told = reply.content[NODE_KEY]
+                self.partition_of[node] = parse_partition_id(told["partition-id"])
+                self._start_wire(node, told)
                 if self.cfg.dp == "sample":
                     self._learn_dp_plan(node, reply.content)
                 # The replica it holds: a per-client catch-up goes only to a node that has it.
@@ -218,6 +232,14 @@ class CompressedFedAvg(FedAvg):
         if missing:
             log.warning("%d of %d nodes have no known partition; sampling them is not "
                         "reproducible across runs", missing, len(nodes))
+
+    def _start_wire(self, node: int, told: MetricRecord) -> None:
+        """Where a node's wire counters stand at its query reply (when it reports them)."""
+        try:
+            counts = parse_reply_metrics(dict(told), required=_WIRE_KEYS)
+        except ReplyError:
+            return  # a simulated node, or one that does not count: no wire bytes
+        self.wire.start(node, *(counts[key] for key in _WIRE_KEYS))
 
     def _learn_dp_plan(self, node: int, content: RecordDict) -> None:
         """A node's DP-SGD plan from its query reply; a refusal stops the run."""
@@ -304,6 +326,7 @@ class CompressedFedAvg(FedAvg):
         for node in set(self._sent) - {m.metadata.src_node_id for m in replies}:
             self.broadcaster.unconfirmed(self._recipient(node))
             self._holds_settings.discard(node)
+            self.wire.forget(node)
         updates = []
         for msg in replies:
             node = msg.metadata.src_node_id
@@ -312,6 +335,7 @@ class CompressedFedAvg(FedAvg):
                 stats.record.clients_failed += 1
                 self._holds_settings.discard(node)  # a restarted node: send them again
                 self.broadcaster.failed(who)  # how far did it get? The full model next.
+                self.wire.forget(node)
                 log.warning("node %s failed in round %d: %s", node, stats.record.round,
                             msg.error.reason)
                 continue
@@ -322,12 +346,14 @@ class CompressedFedAvg(FedAvg):
                 stats.reject(exc.reason if isinstance(exc, ReplyError) else "malformed")
                 log.warning("node %s sent a malformed reply: %s", node, exc)
                 self.broadcaster.unconfirmed(who)
+                self.wire.forget(node)
                 continue
             # The partition the node told when first asked overrides the one its reply
             # claims: a node cannot pass for another in the order of the sum or in
             # another's privacy accounting.
             metrics["partition-id"] = float(self.partition_of.get(
                 node, metrics.get("partition-id", 0.0)))
+            self._count_wire(node, metrics, len(payload), stats.record)
             stats.client_metrics[node] = metrics
             self._holds_settings.add(node)
             stats.replica_checks += 1
@@ -342,6 +368,25 @@ class CompressedFedAvg(FedAvg):
             stats.record.encode_s += metrics.get("encode-s", 0.0)
             stats.record.train_s += metrics.get("train-s", 0.0)
         return updates
+
+    def _count_wire(self, node: int, metrics: dict[str, float], payload_up: int,
+                    record: RoundRecord) -> None:
+        """The node's bytes on the wire since its previous reply, into the round's row
+        and its own (``wire-up-bytes``, ``wire-down-bytes``), when it reports them."""
+        counts = [metrics.pop(key, None) for key in _WIRE_KEYS]
+        if None in counts:
+            return
+        sent, received, since = counts
+        window = self.wire.window(node, int(sent), int(received), since,
+                                  payload_up=payload_up, payload_down=self._sent.get(node, 0))
+        if window is None:
+            return
+        metrics["wire-up-bytes"], metrics["wire-down-bytes"] = window.up, window.down
+        record.wire_nodes += 1
+        record.wire_up_bytes += window.up
+        record.wire_down_bytes += window.down
+        record.protocol_up_bytes += window.protocol_up
+        record.protocol_down_bytes += window.protocol_down
 
     def _publish(self, server_round: int, result: AggregationResult,
                  stats: RoundStats) -> list[int]:

@@ -10,7 +10,7 @@ from flwr.app import Context, Message, MessageType, RecordDict
 from clients.app import train
 from fedcomp.config import RunConfig
 from fedcomp.federated.downlink import Broadcaster
-from fedcomp.flower import train_content
+from fedcomp.flower import reply_parts, train_content
 from fedcomp.tasks.models import build_model
 from fedcomp.tasks.training import state_arrays
 
@@ -40,24 +40,24 @@ def _context(state_dir, run_id: int = 7) -> Context:
 def test_a_restarted_node_resumes_its_residual_from_its_state_dir(tmp_path, caplog):
     server = Broadcaster(state_arrays(build_model("digits", seed=0)), CFG.downlink_policy)
     first = train(_message(server, 1, None), _context(tmp_path))
-    assert first.content["metrics"]["residual-norm-in"] == 0.0
+    assert reply_parts(first.content)[1]["residual-norm-in"] == 0.0
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == ["fedcomp-run7-partition0.npz"]
 
     # The SuperNode restarts: context.state is empty, the file is not.
     second = train(_message(server, 2, 0), _context(tmp_path))
-    assert second.content["metrics"]["residual-norm-in"] > 0
+    assert reply_parts(second.content)[1]["residual-norm-in"] > 0
 
     # A corrupt file is refused with a log line and the client starts clean.
     files[0].write_bytes(b"garbage")
     with caplog.at_level(logging.WARNING):
         third = train(_message(server, 3, None), _context(tmp_path))
-    assert third.content["metrics"]["residual-norm-in"] == 0.0
+    assert reply_parts(third.content)[1]["residual-norm-in"] == 0.0
     assert "ignoring unreadable client state" in caplog.text
 
     # Another run never picks up this run's state.
     other = train(_message(server, 1, None), _context(tmp_path, run_id=8))
-    assert other.content["metrics"]["residual-norm-in"] == 0.0
+    assert reply_parts(other.content)[1]["residual-norm-in"] == 0.0
     assert len(list(tmp_path.iterdir())) == 2
 
 

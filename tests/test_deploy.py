@@ -195,6 +195,16 @@ def test_tls_deployment_with_node_auth_survives_a_supernode_restart(tmp_path):
     # The other node kept its state in the SuperNode's memory all along.
     assert all(float(row["state-from-file"]) == 0.0 for row in clients
                if float(row["partition-id"]) == 1)
+    # Each warm worker counted its SuperNode's TCP bytes to the SuperLink. Node 1 ran
+    # throughout: each of its rounds has a window (from its partition answer on) that
+    # holds at least the round's downlink payload, plus requests both ways.
+    steady = [row for row in clients if float(row["partition-id"]) == 1]
+    assert [int(row["round"]) for row in steady] == [1, 2, 3]
+    for row in steady:
+        assert float(row["wire-down-bytes"]) > float(row["downlink-bytes"]) + 1_000, row
+        assert float(row["wire-up-bytes"]) > 1_000, row
+    assert summary["wire"]["node_rounds"] >= 3
+    assert summary["wire"]["protocol_up_bytes"] > 0 < summary["wire"]["protocol_down_bytes"]
 
 
 @pytest.mark.slow

@@ -115,6 +115,38 @@ def test_the_worker_command_line_names_the_node_port_and_parent():
     assert argv[:3] == [sys.executable, "-m", "fedcomp.flower.warm"]
     assert argv[argv.index("--runtime-api-address") + 1] == "127.0.0.1:9200"
     assert argv[argv.index("--parent-pid") + 1] == "7"
+    assert "--superlink" not in argv
+    metered = clientapp_worker_argv(9200, parent_pid=7, superlink="link.example:9092")
+    assert metered[metered.index("--superlink") + 1] == "link.example:9092"
+    with pytest.raises(ValueError, match="host:port"):
+        clientapp_worker_argv(9200, parent_pid=7, superlink="link.example")
+
+
+def test_replies_carry_the_nodes_wire_counters_in_a_record_they_have_anyway():
+    from types import SimpleNamespace
+
+    from flwr.app import MetricRecord, RecordDict
+
+    from fedcomp.flower import reply_content, reply_parts
+    from fedcomp.ops.netmeter import TcpCounts
+
+    class Meter:
+        started_at = 1.7e9
+
+        def totals(self):
+            return TcpCounts(sent=12_345, received=67_890)
+
+    worker = WarmClientAppWorker("127.0.0.1:1", meter=Meter())
+    stamped = {"wire-sent-bytes": 12_345, "wire-received-bytes": 67_890,
+               "wire-counted-since": 1.7e9}
+    train_reply = reply_content(b"x", "d" * 64, {"num-examples": 3})
+    worker._stamp(SimpleNamespace(content=train_reply))  # a reply, as the app returns it
+    assert reply_parts(train_reply)[1] == {"num-examples": 3, **stamped}
+    assert list(train_reply) == ["update"]  # no record of their own
+    query_reply = RecordDict({"node": MetricRecord({"partition-id": 3})})
+    worker._stamp(SimpleNamespace(content=query_reply))
+    assert dict(query_reply["node"]) == {"partition-id": 3, **stamped}
+    assert list(query_reply) == ["node"]
 
 
 class _FakeTask:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fedcomp.codecs.policy import encode_update
 from fedcomp.federated.downlink import model_digest
 from fedcomp.federated.replies import REPLY_FIELDS, ReplyError, parse_digest, parse_reply_metrics
-from fedcomp.flower import reply_content
+from fedcomp.flower import reply_content, set_reply_metric
 from tests.test_strategy import SHAPES, QueryingGrid
 
 HOSTILE_VALUES = [math.nan, math.inf, -math.inf, -1.0, 1e300, -1e300, 0.5, 2.0**53, True,
@@ -58,8 +58,10 @@ def _honest(strategy, request, node, dp="none"):
 
 
 def _metric_values():
+    # Everything a ConfigRecord can carry (the metrics travel in one).
     return st.one_of(st.floats(allow_nan=True, allow_infinity=True),
-                     st.integers(-2**62, 2**62),
+                     st.integers(-2**62, 2**62), st.booleans(), st.text(max_size=5),
+                     st.binary(max_size=5),
                      st.lists(st.floats(allow_nan=True), min_size=1, max_size=3))
 
 
@@ -68,7 +70,7 @@ def _metric_values():
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=st.dictionaries(st.sampled_from(sorted(REPLY_FIELDS)), _metric_values(),
                               max_size=6),
-       drop=st.sets(st.sampled_from(["update", "metrics", "digest"]), max_size=1),
+       drop=st.sets(st.sampled_from(["update", "digest", "payload"]), max_size=1),
        swap=st.booleans(), dp=st.sampled_from(["none", "sample"]))
 def test_aggregate_train_never_raises_on_a_hostile_reply(make_strategy, fields, drop, swap,
                                                          dp):
@@ -79,10 +81,10 @@ def test_aggregate_train_never_raises_on_a_hostile_reply(make_strategy, fields, 
                for m in messages]
     hostile = replies[0].content
     for key, value in fields.items():
-        hostile["metrics"][key] = value
+        set_reply_metric(hostile, key, value)
     for key in drop:
-        if key == "digest":
-            del hostile["update"]["digest"]
+        if key in ("digest", "payload"):
+            del hostile["update"][key]
         else:
             del hostile[key]
     if swap:

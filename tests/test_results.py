@@ -35,6 +35,7 @@ def test_rounds_csv_and_summary_json(tmp_path):
     assert summary["rejected_updates"] == 4
     assert summary["rejected_by_reason"] == {"checksum": 3, "stale": 1}
     assert "best_raw_accuracy" not in summary  # no server-average: no raw figures
+    assert "wire" not in summary  # a simulation: nothing crossed a network
     table = format_summary_table([summary])
     header, row = table.splitlines()
     assert header.endswith("up x fp32  down x fp32  total x fp32")
@@ -101,3 +102,24 @@ def test_a_resume_forgets_client_rows_of_rounds_after_its_checkpoint(tmp_path):
             ("1", "5"), ("2", "8")]
     with open(tmp_path / "run" / "rounds.csv") as handle:
         assert [r["round"] for r in csv.DictReader(handle)] == ["1", "2"]
+
+
+def test_a_deployed_runs_wire_bytes_are_summed_and_compared_per_node_and_round(tmp_path,
+                                                                              capsys):
+    recorder = RunRecorder(tmp_path / "run", {}, model_bytes=40_000, num_rounds=2)
+    recorder.record(RoundRecord(1, clients_ok=2, uplink_bytes=800, wire_nodes=1,
+                                wire_up_bytes=12_000, wire_down_bytes=8_000,
+                                protocol_up_bytes=11_600, protocol_down_bytes=3_000))
+    recorder.record(RoundRecord(2, clients_ok=2, uplink_bytes=800, wire_nodes=2,
+                                wire_up_bytes=28_000, wire_down_bytes=12_000,
+                                protocol_up_bytes=27_200, protocol_down_bytes=6_000))
+    wire = recorder.finish()["wire"]
+    assert wire["node_rounds"] == 3
+    assert (wire["up_bytes"], wire["down_bytes"]) == (40_000, 20_000)
+    assert (wire["protocol_up_bytes"], wire["protocol_down_bytes"]) == (38_800, 9_000)
+    # Per node and round: 40 kB up and 20 kB down measured over three windows.
+    assert wire["uplink_compression"] == 40_000 / (40_000 / 3)
+    assert wire["total_compression"] == 80_000 / (60_000 / 3)
+    with open(tmp_path / "run" / "rounds.csv") as handle:
+        assert [r["wire_up_bytes"] for r in csv.DictReader(handle)] == ["12000", "28000"]
+    assert "on the wire, per node and round (3 measured): up 13.3 kB" in capsys.readouterr().out

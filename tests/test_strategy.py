@@ -7,7 +7,7 @@ from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from fedcomp.codecs.policy import encode_update
 from fedcomp.federated.downlink import model_digest
-from fedcomp.flower import reply_content, train_parts
+from fedcomp.flower import reply_content, stamp_wire_counts, train_parts
 from strategies.compressed import CompressedFedAvg
 from tests.conftest import STRATEGY_SHAPES
 
@@ -169,3 +169,58 @@ def test_the_run_config_goes_in_full_until_a_node_has_answered_then_by_digest(ma
     assert set(short.keys()) == {"server-round", "settings-digest"}
     in_full = train_parts(second[1].content)[0]
     assert ConfigRecord(short).count_bytes() * 10 < ConfigRecord(in_full).count_bytes()
+
+
+class MeteredGrid(FakeGrid):
+    """Nodes whose warm workers report wire counters with every reply."""
+
+    def __init__(self, nodes):
+        super().__init__(nodes)
+        self.counters = {node: [1_000 * node, 5_000 * node] for node in nodes}
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for m in messages:
+            node = m.metadata.dst_node_id
+            record = MetricRecord({"partition-id": node - 10})
+            stamp_wire_counts(RecordDict({"node": record}), *self.counters[node], since=3.0)
+            replies.append(Message(content=RecordDict({"node": record}), reply_to=m))
+        return replies
+
+    def reply(self, message, strategy, round_, up, down):
+        node = message.metadata.dst_node_id
+        self.counters[node][0] += up
+        self.counters[node][1] += down
+        reply = _reply(message, strategy, round_, node)
+        assert stamp_wire_counts(reply.content, *self.counters[node], since=3.0)
+        return reply
+
+
+def test_wire_counters_become_bytes_per_round_less_the_payloads_that_crossed(make_strategy):
+    strategy = make_strategy(downlink_codec="topk:ratio=0.1|quant:bits=4",
+                             downlink_mode="per-client")  # asks each node its partition
+    grid = MeteredGrid([11, 12])
+    payloads = {}
+    for round_ in (1, 2):
+        messages = list(strategy.configure_train(round_, None, ConfigRecord(), grid))
+        sent = dict(strategy._sent)
+        replies = [grid.reply(m, strategy, round_, up=9_000, down=sent[m.metadata.dst_node_id]
+                              + 2_500) for m in messages]
+        strategy.aggregate_train(round_, replies)
+        record = strategy.stats[round_].record
+        assert record.wire_nodes == 2
+        assert (record.wire_up_bytes, record.wire_down_bytes) == (18_000, 5_000 + sum(
+            sent.values()))
+        # Round 1's windows carried no payload up (the query reply has none); round 2's
+        # carried round 1's replies.
+        assert record.protocol_up_bytes == 18_000 - sum(payloads.values())
+        assert record.protocol_down_bytes == 5_000
+        assert all(m["wire-up-bytes"] == 9_000 for m in strategy.stats[round_]
+                   .client_metrics.values())
+        payloads = {r.metadata.src_node_id: len(r.content["update"]["payload"])
+                    for r in replies}
+    # A node that fails opens no window for its next reply; nor does a simulated node.
+    messages = list(strategy.configure_train(3, None, ConfigRecord(), grid))
+    failed = Message(Error(code=0, reason="boom"), reply_to=messages[0])
+    strategy.aggregate_train(3, [failed, _reply(messages[1], strategy, 3, 12)])
+    assert strategy.stats[3].record.wire_nodes == 0

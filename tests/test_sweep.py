@@ -501,3 +501,33 @@ def test_committed_attack_runs_are_what_the_results_pages_commands_make():
     made = {r.run_id for sweep in fashion for r in sweep.runs}
     committed = {p.name for p in (ROOT / "experiments/runs/faults-fashion").glob("r-*")}
     assert committed == made
+
+
+def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factors(tmp_path):
+    """``fedcomp report results/``: runs outside a sweep, each its own method; a deployed
+    run's bytes on the wire appear in a table of their own, a simulated run's do not."""
+    from fedcomp.ops.results import RoundRecord, RunRecorder
+
+    for name, wire in (("deployed", True), ("simulated", False)):
+        recorder = RunRecorder(tmp_path / name, {"codec": "sign"}, model_bytes=40_000,
+                               num_rounds=2, verbose=False)
+        for round_ in (1, 2):
+            recorder.record(RoundRecord(
+                round_, accuracy=0.5 + 0.1 * round_, uplink_bytes=1_000, downlink_bytes=4_000,
+                clients_ok=2, clients_sampled=2, **({} if not wire else dict(
+                    wire_nodes=2, wire_up_bytes=30_000, wire_down_bytes=14_000,
+                    protocol_up_bytes=29_000, protocol_down_bytes=10_000))))
+        recorder.finish()
+    (tmp_path / "not-a-run").mkdir()
+    assert [r.method for r in load_runs(tmp_path)] == ["deployed", "simulated"]
+    assert [r.method for r in load_runs(tmp_path / "deployed")] == ["deployed"]
+    table, _ = write_report(tmp_path, target=0.65)
+    wire_rows = [line for line in table.splitlines()
+                 if line.startswith("| deployed | 4 |")]
+    # 15 kB up and 7 kB down per node and round; the payloads: 80x up, 32x in all.
+    assert [c.strip() for c in wire_rows[0].split("|")[1:-1]] == [
+        "deployed", "4", "15.0", "14.5", "7.0", "5.0", "80.0", f"{40 / 15:.1f}", "32.0",
+        f"{80 / 22:.1f}"]
+    assert not any(line.startswith("| simulated | 4 |") for line in table.splitlines())
+    with pytest.raises(ValueError, match="no sweep"):
+        load_runs(tmp_path / "not-a-run")

@@ -63,6 +63,10 @@ REPLY_FIELDS: dict[str, _Field] = {
     "dp-unclipped": _Field(0, 1, integral=True),
     "dp-sample-rate": _Field(0, 1, low_open=True),
     "dp-steps": _Field(0, 1e7, integral=True),
+    # A deployed node's TCP bytes to and from the SuperLink so far (fedcomp.ops.netmeter).
+    "wire-sent-bytes": _Field(0, 2.0 ** 53, integral=True),
+    "wire-received-bytes": _Field(0, 2.0 ** 53, integral=True),
+    "wire-counted-since": _Field(0, 1e11),
 }
 
 

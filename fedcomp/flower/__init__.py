@@ -23,11 +23,15 @@ from fedcomp.flower.interop import CompressedUplink, compression_mod
 
 __all__ = [
     "DIGEST_KEY",
-    "METRICS_KEY",
+    "METRICS_PREFIX",
+    "NODE_KEY",
     "PAYLOAD_KEY",
     "STATE_PREFIX",
     "TRAIN_KEY",
     "UPDATE_KEY",
+    "WIRE_RECEIVED_KEY",
+    "WIRE_SENT_KEY",
+    "WIRE_SINCE_KEY",
     "CompressedUplink",
     "compression_mod",
     "downlink_from_record",
@@ -41,6 +45,8 @@ __all__ = [
     "reply_content",
     "reply_parts",
     "save_client_state",
+    "set_reply_metric",
+    "stamp_wire_counts",
     "state_to_record",
     "train_content",
     "train_parts",
@@ -58,8 +64,18 @@ PAYLOAD_KEY = "payload"
 #: Key of the replica digest beside it.
 DIGEST_KEY = "digest"
 
-#: A train reply's records: the update (payload and digest) and the metrics.
-UPDATE_KEY, METRICS_KEY = "update", "metrics"
+#: A train reply's one record (payload, digest and metrics), and the prefix of the
+#: metrics' entries in it.
+UPDATE_KEY, METRICS_PREFIX = "update", "metrics."
+
+#: A query reply's record: the partition a node holds.
+NODE_KEY = "node"
+
+#: Metrics a warm ClientApp worker adds to a reply: the TCP bytes its SuperNode has
+#: sent to and received from the SuperLink so far (:mod:`fedcomp.ops.netmeter`).
+WIRE_SENT_KEY, WIRE_RECEIVED_KEY = "wire-sent-bytes", "wire-received-bytes"
+#: ... and when its counting began (a restarted node counts from zero again).
+WIRE_SINCE_KEY = "wire-counted-since"
 
 #: A train message's one record, and the prefixes of the downlink's and the outcomes'
 #: entries in it (run-config keys never contain a dot).
@@ -91,36 +107,63 @@ def payload_from_record(record: ConfigRecord) -> bytes:
 
 
 def reply_content(payload: bytes, digest: str, metrics: Mapping[str, float]) -> RecordDict:
-    """A train reply: the payload and the replica digest in one record, the metrics in
-    another.
+    """A train reply: the payload, the replica digest and the metrics in one record.
 
     Flower 1.42 moves every record of a message as its own signed HTTP request (about
-    1 kB of headers each), so a reply carries as few records as it can.
+    1 kB of headers each), so a reply carries one record, not a ``MetricRecord``
+    beside it.
     """
     update = payload_to_record(payload)
     update[DIGEST_KEY] = digest
-    return RecordDict({UPDATE_KEY: update, METRICS_KEY: MetricRecord(dict(metrics))})
+    for key, value in metrics.items():
+        update[METRICS_PREFIX + key] = value
+    return RecordDict({UPDATE_KEY: update})
+
+
+def set_reply_metric(content: RecordDict, key: str, value: float) -> None:
+    """Set one metric of a train reply made by :func:`reply_content`."""
+    content[UPDATE_KEY][METRICS_PREFIX + key] = value
+
+
+def stamp_wire_counts(content: RecordDict, sent: int, received: int, since: float) -> bool:
+    """Add the node's wire counters to a reply's metrics (a train reply's, or a query
+    reply's ``node`` record); False when the reply is neither.
+
+    They go into a record the reply has anyway: a record of their own would be one
+    more HTTP request.
+    """
+    counts = {WIRE_SENT_KEY: int(sent), WIRE_RECEIVED_KEY: int(received),
+              WIRE_SINCE_KEY: float(since)}
+    update = content[UPDATE_KEY] if UPDATE_KEY in content else None
+    node = content[NODE_KEY] if NODE_KEY in content else None
+    if isinstance(update, ConfigRecord):
+        for key, value in counts.items():
+            set_reply_metric(content, key, value)
+    elif isinstance(node, MetricRecord):
+        for key, value in counts.items():
+            node[key] = value
+    else:
+        return False
+    return True
 
 
 def reply_parts(content: RecordDict) -> tuple[bytes, dict[str, Any], str]:
     """A train reply's payload bytes, raw metrics and replica digest.
 
-    Raises :class:`~fedcomp.federated.replies.ReplyError` when a record is missing or of the
-    wrong kind; the metrics' values are checked by
+    Raises :class:`~fedcomp.federated.replies.ReplyError` when the record is missing or
+    of the wrong kind; the metrics' values are checked by
     :func:`~fedcomp.federated.replies.parse_reply_metrics`.
     """
-    parts = {}
-    for key, kind in ((UPDATE_KEY, ConfigRecord), (METRICS_KEY, MetricRecord)):
-        record = content[key] if key in content else None
-        if not isinstance(record, kind):
-            raise ReplyError(f"reply lacks a {kind.__name__} {key!r}")
-        parts[key] = record
+    update = content[UPDATE_KEY] if UPDATE_KEY in content else None
+    if not isinstance(update, ConfigRecord):
+        raise ReplyError(f"reply lacks a ConfigRecord {UPDATE_KEY!r}")
     try:
-        payload = payload_from_record(parts[UPDATE_KEY])
+        payload = payload_from_record(update)
     except ValueError as exc:
         raise ReplyError(str(exc)) from None
-    return (payload, dict(parts[METRICS_KEY]),
-            parse_digest(parts[UPDATE_KEY].get(DIGEST_KEY)))
+    metrics = {key[len(METRICS_PREFIX):]: value for key, value in update.items()
+               if key.startswith(METRICS_PREFIX)}
+    return payload, metrics, parse_digest(update.get(DIGEST_KEY))
 
 
 def train_content(settings: Mapping[str, Any], downlink: DownlinkMessage,

@@ -27,6 +27,10 @@ What differs from Flower's per-message process:
   (``fedcomp``) is the one this worker imported.
 - An exception in the ClientApp becomes an error reply, as in Flower, and the worker
   carries on with the next task.
+- Given the SuperLink's address, it meters the SuperNode's connections to it
+  (:class:`fedcomp.ops.netmeter.TcpByteMeter`) and adds the bytes sent and received so
+  far to every reply's metrics (:func:`fedcomp.flower.stamp_wire_counts`): the server
+  turns them into wire bytes per round and node (``rounds.csv``, ``clients.csv``).
 """
 
 from __future__ import annotations
@@ -87,11 +91,14 @@ class WarmClientAppWorker:
         tenth of a second to a message's latency.
     root_certificates
         PEM bytes when the node's Runtime API uses TLS; None for the loopback default.
+    meter
+        Counts the SuperNode's bytes on the wire; its totals go into every reply.
     """
 
     runtime_api_address: str
     poll_seconds: float = 0.1
     root_certificates: bytes | None = None
+    meter: Any = None
     _apps: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _fab_modules: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
@@ -212,6 +219,8 @@ class WarmClientAppWorker:
             app = self._load_app(run, fab)
             reply = app(message=message, context=context)
             status, details = SubStatus.COMPLETED, ""
+            if self.meter is not None and not reply.has_error():
+                self._stamp(reply)
         except Exception as exc:  # every failure becomes an error reply
             code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
             reason = f"{type(exc)}:<'{exc}'>"
@@ -238,6 +247,17 @@ class WarmClientAppWorker:
             client.close()
         return TaskOutcome(task_id=task_id, run_id=run_id, status=str(status),
                            seconds=time.perf_counter() - started, details=details)
+
+    def _stamp(self, reply) -> None:
+        """The node's wire counts so far into the reply (a failed read is logged)."""
+        from fedcomp.flower import stamp_wire_counts
+
+        try:
+            counts = self.meter.totals()
+        except OSError as exc:
+            logger.warning("could not read the node's wire bytes: %s", exc)
+            return
+        stamp_wire_counts(reply.content, counts.sent, counts.received, self.meter.started_at)
 
     # -- the loop ---------------------------------------------------------------------
     def stop(self) -> None:
@@ -297,6 +317,21 @@ def _is_flwr_app_dir(entry: str) -> bool:
                                    for part in parts)
 
 
+def _meter(pid: int | None, superlink: str | None):
+    """A started byte meter of the SuperNode's connections to the SuperLink, or None
+    (no address given, or a host whose kernel does not report byte counts)."""
+    from fedcomp.ops.netmeter import TcpByteMeter, meter_available
+
+    if pid is None or superlink is None:
+        return None
+    if not meter_available():
+        logger.warning("this host's kernel does not report TCP byte counts: the node's "
+                       "wire bytes are not recorded")
+        return None
+    port = int(superlink.rpartition(":")[2])
+    return TcpByteMeter(pid, port).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m fedcomp.flower.warm",
@@ -309,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-seconds", type=float, default=0.1)
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="exit when this process (the SuperNode) exits")
+    parser.add_argument("--superlink", default=None,
+                        help="the address the SuperNode dials (host:port): with "
+                             "--parent-pid, its bytes to it go into every reply")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(name)s:%(levelname)s: %(message)s")
@@ -323,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     certificates = (Path(args.root_certificates).read_bytes()
                     if args.root_certificates else None)
     worker = WarmClientAppWorker(args.runtime_api_address, poll_seconds=args.poll_seconds,
-                                 root_certificates=certificates)
+                                 root_certificates=certificates,
+                                 meter=_meter(args.parent_pid, args.superlink))
     if args.parent_pid is not None:
         from flwr.supercore.app_utils import start_parent_process_monitor
 

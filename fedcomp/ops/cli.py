@@ -287,7 +287,8 @@ def deploy(args: argparse.Namespace) -> int:
         if args.clientapp == "warm":
             # The SuperNode replaces this process (same pid): the worker watches that pid
             # and exits with the node.
-            worker = dep.clientapp_worker_argv(args.port, parent_pid=os.getpid())
+            worker = dep.clientapp_worker_argv(args.port, parent_pid=os.getpid(),
+                                               superlink=args.superlink)
             print("fedcomp: " + " ".join(worker), flush=True)
             subprocess.Popen(worker, env=env)
         return _exec(argv, env)

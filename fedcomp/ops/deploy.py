@@ -244,12 +244,20 @@ def supernode_argv(certs: Certificates | None, node: int, *, superlink: str,
 CLIENTAPP_MODES = ("warm", "per-message")
 
 
-def clientapp_worker_argv(port: int, *, parent_pid: int | None = None) -> list[str]:
-    """The long-lived ClientApp process of the SuperNode whose Runtime API is ``port``."""
+def clientapp_worker_argv(port: int, *, parent_pid: int | None = None,
+                          superlink: str | None = None) -> list[str]:
+    """The long-lived ClientApp process of the SuperNode whose Runtime API is ``port``.
+
+    With the SuperNode's pid and the address it dials, the worker also counts the
+    node's bytes on the wire and reports them with every reply.
+    """
     argv = [sys.executable, "-m", "fedcomp.flower.warm",
             "--runtime-api-address", f"127.0.0.1:{port}"]
     if parent_pid is not None:
         argv += ["--parent-pid", str(parent_pid)]
+    if superlink is not None:
+        parse_address(superlink)
+        argv += ["--superlink", superlink]
     return argv
 
 
@@ -420,7 +428,9 @@ class Loopback:
         if self.clientapp == "warm":
             self.stop(f"clientapp-{node}")
             self._start(f"clientapp-{node}",
-                        clientapp_worker_argv(self.node_ports[node], parent_pid=process.pid))
+                        clientapp_worker_argv(self.node_ports[node], parent_pid=process.pid,
+                                              superlink=self.node_superlink.get(
+                                                  node, self.address)))
         return process
 
     def restart_node(self, node: int, timeout: float = 180.0) -> None:

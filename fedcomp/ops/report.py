@@ -52,6 +52,7 @@ __all__ = [
     "format_accuracy_at_rounds",
     "format_paired_table",
     "format_whole_runs",
+    "format_wire",
     "is_plain_fedavg",
     "load_runs",
     "plot_runs",
@@ -89,8 +90,11 @@ def _number(text: str) -> float:
 
 
 def load_runs(out_dir: str | Path) -> list[RunResult]:
-    """Completed runs of a sweep folder, in runs.csv order."""
+    """Completed runs of a sweep folder, in runs.csv order; or, in a folder that is no
+    sweep, the run it is or the runs it holds (each its own method, by folder name)."""
     out = Path(out_dir)
+    if not (out / "runs.csv").exists():
+        return _loose_runs(out)
     with (out / "runs.csv").open() as handle:
         rows = list(csv.DictReader(handle))
     columns = json.loads((out / "sweep.json").read_text())["columns"]
@@ -98,14 +102,31 @@ def load_runs(out_dir: str | Path) -> list[RunResult]:
     for row in rows:
         if row["status"] != "complete":
             continue
-        run_dir = out / row["run_id"]
-        with (run_dir / "rounds.csv").open() as handle:
-            rounds = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(handle)]
-        summary = json.loads((run_dir / "summary.json").read_text())
-        values = {k: row[k] if k == "method" else summary["config"].get(k, row.get(k))
-                  for k in columns}
-        results.append(RunResult(row["run_id"], values, rounds, summary))
+        run = _load_run(out / row["run_id"])
+        run.values = {k: row[k] if k == "method" else run.summary["config"].get(k, row.get(k))
+                      for k in columns}
+        results.append(run)
     return results
+
+
+def _load_run(run_dir: Path) -> RunResult:
+    with (run_dir / "rounds.csv").open() as handle:
+        rounds = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(handle)]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return RunResult(run_dir.name, {"method": run_dir.name}, rounds, summary)
+
+
+def _loose_runs(out: Path) -> list[RunResult]:
+    """Runs outside a sweep (``fedcomp simulate``, ``fedcomp deploy run``): a finished
+    run's folder, or a folder of them (``results/``)."""
+    if (out / "summary.json").exists():
+        return [_load_run(out)]
+    runs = [_load_run(d) for d in sorted(out.iterdir())
+            if (d / "summary.json").exists() and (d / "rounds.csv").exists()]
+    if not runs:
+        raise ValueError(f"{out} holds no sweep (runs.csv) and no finished run "
+                         "(summary.json)")
+    return runs
 
 
 def bytes_to_target(rounds: list[dict[str, float]], target: float
@@ -312,6 +333,44 @@ def format_whole_runs(methods: list[MethodResult], reference_name: str | None = 
     return "\n".join(lines)
 
 
+def format_wire(methods: list[MethodResult]) -> str | None:
+    """A markdown table of deployed runs' bytes on the wire beside their payloads.
+
+    Per node and round (means over the rounds measured and the seeds): the payload
+    compression factors against FedAvg's fp32 model, then the same factors for what a
+    node really sent and received over TCP (Flower's requests, headers, polls and TLS
+    included). FedAvg's own wire bytes would exceed its payload, so the on-the-wire
+    factors understate the saving. None when no run measured its wire bytes.
+    """
+    rows = []
+    for m in methods:
+        wired = [r.summary["wire"] for r in m.runs if r.summary.get("wire")]
+        if not wired:
+            continue
+        payload = [r.summary for r in m.runs if r.summary.get("wire")]
+
+        def mean(values: list[float | None]) -> str:
+            kept = [v for v in values if v is not None]
+            return f"{statistics.mean(kept):,.1f}" if kept else "-"
+
+        rows.append(
+            f"| {m.method} | {sum(w['node_rounds'] for w in wired)} | "
+            f"{mean([w['up_per_node_round'] / 1e3 for w in wired])} | "
+            f"{mean([w['protocol_up_bytes'] / w['node_rounds'] / 1e3 for w in wired])} | "
+            f"{mean([w['down_per_node_round'] / 1e3 for w in wired])} | "
+            f"{mean([w['protocol_down_bytes'] / w['node_rounds'] / 1e3 for w in wired])} | "
+            f"{mean([s.get('uplink_compression') for s in payload])} | "
+            f"{mean([w['uplink_compression'] for w in wired])} | "
+            f"{mean([s.get('total_compression') for s in payload])} | "
+            f"{mean([w['total_compression'] for w in wired])} |")
+    if not rows:
+        return None
+    return "\n".join([
+        "| method | node-rounds | wire up kB | protocol up kB | wire down kB | "
+        "protocol down kB | payload up x | wire up x | payload total x | wire total x |",
+        "|---|---|---|---|---|---|---|---|---|---|", *rows])
+
+
 def format_accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
     """A markdown table of each method's accuracy at the given rounds, mean over seeds.
 
@@ -512,6 +571,9 @@ def write_report(out_dir: str | Path, target: float | None = None,
             tables.append(format_paired_table(this_target, these_methods, reference))
     tables.append("Whole runs: accuracy, and bytes per round against plain FedAvg.\n\n"
                   + format_whole_runs(methods, reference))
+    if (wire := format_wire(methods)) is not None:
+        tables.append("On the wire (deployed runs): kB per node and round, and factors "
+                      "against FedAvg's fp32 payload.\n\n" + wire)
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))

@@ -25,13 +25,15 @@ __all__ = [
     "RoundRecord",
     "RunRecorder",
     "format_summary_table",
+    "format_wire_line",
 ]
 
 ROUND_COLUMNS = [
     "round", "accuracy", "loss", "uplink_bytes", "downlink_bytes", "cum_uplink_bytes",
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
     "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s", "raw_accuracy",
-    "clients_sampled",
+    "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
+    "protocol_down_bytes",
 ]
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
@@ -40,7 +42,7 @@ ROUND_COLUMNS = [
 CLIENT_COLUMNS = [
     "round", "node_id", "partition-id", "num-examples", "payload-bytes", "downlink-bytes",
     "train-s", "encode-s", "residual-norm-in", "given-back-norm", "delta-norm",
-    "replica-round", "state-from-file",
+    "replica-round", "state-from-file", "wire-up-bytes", "wire-down-bytes",
 ]
 
 
@@ -70,6 +72,14 @@ class RoundRecord:
     raw_accuracy: float = math.nan
     #: Nodes sent a downlink message this round (FedAvg would send each the fp32 model).
     clients_sampled: int = 0
+    #: Deployed runs: the nodes whose bytes on the wire this round are known (0 in a
+    #: simulation), what they sent and received through TCP since their previous reply
+    #: (:mod:`fedcomp.federated.wire_bytes`), and that less the payloads in it.
+    wire_nodes: int = 0
+    wire_up_bytes: int = 0
+    wire_down_bytes: int = 0
+    protocol_up_bytes: int = 0
+    protocol_down_bytes: int = 0
 
 
 class RunRecorder:
@@ -131,6 +141,33 @@ class RunRecorder:
             for row in self.rows:
                 values = asdict(row)
                 writer.writerow([values[c] for c in RELEASED_ROUND_COLUMNS])
+
+    def wire_summary(self) -> dict[str, Any] | None:
+        """Bytes on the wire over the run (deployed runs whose nodes report them).
+
+        Per node and round: the mean over the windows measured; the factors compare
+        FedAvg's bare fp32 payload (its own wire cost would be higher still) with what
+        a node really sent and received.
+        """
+        windows = sum(r.wire_nodes for r in self.rows)
+        if not windows:
+            return None
+        up = sum(r.wire_up_bytes for r in self.rows)
+        down = sum(r.wire_down_bytes for r in self.rows)
+        per_up, per_down = up / windows, down / windows
+        return {
+            "node_rounds": windows,
+            "up_bytes": up,
+            "down_bytes": down,
+            "protocol_up_bytes": sum(r.protocol_up_bytes for r in self.rows),
+            "protocol_down_bytes": sum(r.protocol_down_bytes for r in self.rows),
+            "up_per_node_round": per_up,
+            "down_per_node_round": per_down,
+            "uplink_compression": self.model_bytes / per_up if per_up else None,
+            "downlink_compression": self.model_bytes / per_down if per_down else None,
+            "total_compression": (2 * self.model_bytes / (per_up + per_down)
+                                  if per_up + per_down else None),
+        }
 
     def state(self) -> dict[str, Any]:
         """JSON-able progress, for checkpoints."""
@@ -256,6 +293,7 @@ class RunRecorder:
             "encode_s": sum(r.encode_s for r in self.rows),
             "decode_s": sum(r.decode_s for r in self.rows),
             "train_s": sum(r.train_s for r in self.rows),
+            **({"wire": wire} if (wire := self.wire_summary()) else {}),
             **self.extra,
         }
 
@@ -268,6 +306,8 @@ class RunRecorder:
                 json.dumps(released_summary(summary), indent=2) + "\n")
         if self.verbose:
             print(format_summary_table([summary]) + "\n" + FP32_NOTE, flush=True)
+            if wire := summary.get("wire"):
+                print(format_wire_line(wire), flush=True)
             print(f"results: {self.out_dir}", flush=True)
         return summary
 
@@ -275,6 +315,19 @@ class RunRecorder:
 #: What the table's factors compare with, and how to run it.
 FP32_NOTE = ("x fp32: against FedAvg sending the fp32 model up and down in the same rounds;\n"
              "the FedAvg run itself: make run RUN_CONFIG=\"preset='fedavg'\"")
+
+
+def format_wire_line(wire: dict[str, Any]) -> str:
+    """One line of a deployed run's bytes on the wire (see :meth:`RunRecorder.wire_summary`)."""
+    per = wire["node_rounds"]
+    protocol_up, protocol_down = (wire["protocol_up_bytes"] / per / 1e3,
+                                  wire["protocol_down_bytes"] / per / 1e3)
+    return (f"on the wire, per node and round ({per} measured): up "
+            f"{wire['up_per_node_round'] / 1e3:,.1f} kB ({protocol_up:,.1f} kB protocol), "
+            f"down {wire['down_per_node_round'] / 1e3:,.1f} kB "
+            f"({protocol_down:,.1f} kB protocol); x fp32 up "
+            f"{wire['uplink_compression'] or math.nan:,.1f}, total "
+            f"{wire['total_compression'] or math.nan:,.1f}")
 
 
 def format_summary_table(summaries: list[dict[str, Any]]) -> str:
