@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -207,10 +208,54 @@ def test_tls_deployment_with_node_auth_survives_a_supernode_restart(tmp_path):
     assert summary["wire"]["protocol_up_bytes"] > 0 < summary["wire"]["protocol_down_bytes"]
 
 
+def _listening_addresses(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process ``pid`` listens on (/proc/net/tcp*)."""
+    from fedcomp.ops.netmeter import process_socket_inodes
+
+    inodes = process_socket_inodes(pid)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], int(fields[9])
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            address_hex, port_hex = local.split(":")
+            raw = bytes.fromhex(address_hex)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+            found.append((socket.inet_ntop(family, raw), int(port_hex, 16)))
+    return found
+
+
+def _routable_address() -> str | None:
+    """This machine's address on its default route (what another machine would dial)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: no packet is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
 @pytest.mark.slow
-def test_a_supernode_with_an_unregistered_key_is_refused(tmp_path):
+def test_outsiders_are_refused_an_unregistered_key_and_any_other_machine(tmp_path):
     with Loopback(tmp_path / "deploy", flower_env(ROOT), nodes=1,
                   start_nodes=False) as deployment:
+        # The SuperLink (Fleet, Control and Runtime APIs on one port) listens on
+        # loopback only, as `fedcomp deploy superlink` does by default: a party on
+        # another machine, ca.crt or not, cannot reach any API, so can neither
+        # register a key nor start a run.
+        listening = _listening_addresses(deployment.processes["superlink"].pid)
+        assert ("127.0.0.1", deployment.port) in listening, listening
+        assert all(address in ("127.0.0.1", "::1") for address, _ in listening), listening
+        outside = _routable_address()
+        if outside is not None:
+            with socket.socket() as sock:
+                sock.settimeout(5)
+                assert sock.connect_ex((outside, deployment.port)) != 0
         # Loopback makes one spare key pair and registers only the nodes' own keys.
         intruder = deployment.start_node(0, key=1)
         code = intruder.wait(timeout=120)
