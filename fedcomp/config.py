@@ -13,12 +13,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fedcomp.codecs.budget import parse_budget
 from fedcomp.codecs.pipeline import Pipeline
-from fedcomp.codecs.policy import CompressionPolicy, encoder_fingerprint, parse_overrides
+from fedcomp.codecs.policy import (
+    CompressionPolicy,
+    encoder_fingerprint,
+    minimum_payload_bytes,
+    parse_overrides,
+)
 from fedcomp.codecs.wire import ExpectedTensor
 from fedcomp.errors import SpecError
 from fedcomp.federated.faults import FAULT_KINDS, AttackPlan, FaultPlan
@@ -91,6 +98,7 @@ class RunConfig:
     small_codec: str = "none"
     min_numel: int = 1024
     codec_overrides: str = ""
+    uplink_budget: str = ""
     feedback: str = "ef"
     downlink_codec: str = "topk:ratio=0.08|quant:bits=4"
     downlink_codec_overrides: str = ""
@@ -252,8 +260,21 @@ class RunConfig:
                 overrides.append(parse_overrides(getattr(self, name)))
             except SpecError as exc:
                 raise SpecError(f"run config {config_key(name)!r}: {exc}") from None
+        try:
+            budget = parse_budget(self.uplink_budget)
+        except SpecError as exc:
+            raise SpecError(f"run config 'uplink-budget': {exc}") from None
+        if budget is not None and (self.dp == "client" or self.shared_randk):
+            raise SpecError("run config 'uplink-budget' cannot be combined with dp = "
+                            "'client' or 'shared-randk' (they code a transformed update "
+                            "whose bytes the budget does not yet allocate)")
+        try:
+            uplink = CompressionPolicy(self.codec, self.small_codec, self.min_numel,
+                                       overrides[0], budgeted=budget is not None)
+        except SpecError as exc:
+            raise SpecError(f"run config 'codec' with 'uplink-budget': {exc}") from None
         object.__setattr__(self, "_policies", (
-            CompressionPolicy(self.codec, self.small_codec, self.min_numel, overrides[0]),
+            uplink,
             CompressionPolicy(self.downlink_codec, self.small_codec, self.min_numel,
                               overrides[1]),
         ))
@@ -287,6 +308,36 @@ class RunConfig:
     @property
     def downlink_policy(self) -> CompressionPolicy:
         return self._policies[1]
+
+    def uplink_budget_bytes(self, shapes: Mapping[str, Any]) -> int | None:
+        """The most payload bytes one update of a model of ``shapes`` may take under
+        ``uplink-budget`` (None: no budget)."""
+        budget = parse_budget(self.uplink_budget)
+        if budget is None:
+            return None
+        return budget.payload_bytes(sum(math.prod(shape) for shape in shapes.values()))
+
+    def check_uplink_budget(self, shapes: Mapping[str, Any]) -> None:
+        """Refuse, before round 1, a budget below the smallest payload of this model.
+
+        Raises
+        ------
+        fedcomp.errors.SpecError
+            Naming the budget, the smallest payload and the largest factor that fits.
+        """
+        budget = parse_budget(self.uplink_budget)
+        if budget is None:
+            return
+        numel = sum(math.prod(shape) for shape in shapes.values())
+        floor = minimum_payload_bytes(self.uplink_policy, shapes)
+        # A little room over the floor: real updates code a few bytes either way.
+        need = int(floor * 1.05) + 16
+        if budget.payload_bytes(numel) < need:
+            raise SpecError(
+                f"run config 'uplink-budget' {budget.describe(numel)} is below the "
+                f"smallest payload of this model: {need:,} bytes (one Top-K entry per "
+                f"budgeted tensor, the small tensors in {self.small_codec!r}); use at "
+                f"most '{int(4 * numel / need)}x' or at least '{8 * need / numel:.4f}bpp'")
 
     @property
     def fault_plan(self) -> FaultPlan:

@@ -68,7 +68,7 @@ from fedcomp.flower import (
     reply_parts,
     train_content,
 )
-from fedcomp.ops.results import RoundRecord
+from fedcomp.ops.results import RoundRecord, record_densities
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
 
@@ -129,6 +129,7 @@ class CompressedFedAvg(FedAvg):
             rng=np.random.default_rng([cfg.seed, 0x5A]))
         #: What every uplink payload must hold (with shared-randk: the compact tensors).
         self.expected = cfg.uplink_expected(self.broadcaster.shapes)
+        cfg.check_uplink_budget(self.broadcaster.shapes)  # before round 1, naming the floor
         self.expected_shapes = {name: spec.shape for name, spec in self.expected.items()}
         #: The data partition each node said it holds (orders the sampling).
         self.partition_of: dict[int, int] = {}
@@ -397,6 +398,7 @@ class CompressedFedAvg(FedAvg):
             self.norm_reference = result.median_norm
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
+        record_densities(result.kept, self.expected, stats.record, stats.client_metrics)
         stats.record.clients_ok = len(result.accepted)
         for reason, count in result.rejected_by_reason.items():
             stats.reject(reason, count)

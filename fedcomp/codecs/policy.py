@@ -26,13 +26,21 @@ from typing import Any
 
 import numpy as np
 
+from fedcomp.codecs.budget import (
+    MAX_ATTEMPTS,
+    TopKFamily,
+    allocate_counts,
+    fit_scale,
+    value_bits,
+)
 from fedcomp.codecs.feedback import FeedbackMemory, NoFeedback
 from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.tensor import to_numpy
 from fedcomp.codecs.wire import EncodedTensor, ExpectedTensor, pack_payload
 from fedcomp.errors import SpecError
 
-__all__ = ["CompressionPolicy", "EncodedUpdate", "encode_update", "encoder_fingerprint",
+__all__ = ["BudgetError", "CompressionPolicy", "EncodedUpdate", "encode_update",
+           "encode_within_budget", "encoder_fingerprint", "minimum_payload_bytes",
            "parse_overrides"]
 
 #: Most per-tensor overrides one policy may hold.
@@ -83,15 +91,23 @@ class CompressionPolicy:
         ``(pattern, spec)`` pairs: a tensor whose name matches ``pattern``
         (:func:`fnmatch.fnmatchcase`) uses ``spec`` whatever its size; the first
         matching pair wins. See :func:`parse_overrides` for the string form.
+    budgeted
+        Tensors that use ``codec`` (at least ``min_numel`` elements, no override) get
+        their Top-K count from a byte budget every update
+        (:func:`encode_within_budget`); ``codec`` must start with an exact Top-K and
+        its count is only the template's.
     """
 
     codec: str = "none"
     small_codec: str = "none"
     min_numel: int = 1024
     overrides: tuple[tuple[str, str], ...] = ()
+    budgeted: bool = False
     _pipelines: tuple[Pipeline, Pipeline] = field(init=False, repr=False, compare=False)
     _override_pipelines: tuple[tuple[str, Pipeline], ...] = field(
         init=False, repr=False, compare=False)
+    _families: dict[int, TopKFamily] = field(default_factory=dict, init=False, repr=False,
+                                             compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) \
@@ -109,6 +125,8 @@ class CompressionPolicy:
                                 f"non-empty strings, got {pair!r}")
             override_pipelines.append((pair[0], Pipeline.parse(pair[1])))
         object.__setattr__(self, "_override_pipelines", tuple(override_pipelines))
+        if self.budgeted:
+            TopKFamily(self._pipelines[0], 1)  # names a codec without a Top-K first
 
     @property
     def description(self) -> str:
@@ -116,7 +134,22 @@ class CompressionPolicy:
         text = f"{self._pipelines[0].spec} / small<{self.min_numel}: {self._pipelines[1].spec}"
         for pattern, pipeline in self._override_pipelines:
             text += f" / {pattern}: {pipeline.spec}"
+        if self.budgeted:
+            text += " / budgeted"
         return text
+
+    def family_for(self, shape: Sequence[int], name: str | None = None
+                   ) -> TopKFamily | None:
+        """The Top-K family a budgeted tensor is sent in, or None (fixed pipeline)."""
+        if not self.budgeted:
+            return None
+        pipeline = self.pipeline_for(shape, name)
+        numel = math.prod(shape)
+        if pipeline is not self._pipelines[0] or numel < self.min_numel:
+            return None
+        if numel not in self._families:  # keeps the family's pipelines between rounds
+            self._families[numel] = TopKFamily(pipeline, numel)
+        return self._families[numel]
 
     def pipeline_for(self, shape: Sequence[int], name: str | None = None) -> Pipeline:
         """The pipeline a tensor of ``shape`` (named ``name``) uses."""
@@ -136,7 +169,8 @@ class CompressionPolicy:
         differ from the shapes sent (a subspace's 1-D values keep their tensor's codec).
         """
         chooser = selection if selection is not None else shapes
-        return {name: ExpectedTensor(tuple(shape), self.pipeline_for(chooser[name], name))
+        return {name: ExpectedTensor(tuple(shape), self.pipeline_for(chooser[name], name),
+                                     self.family_for(shape, name))
                 for name, shape in shapes.items()}
 
 
@@ -167,6 +201,7 @@ def encode_update(
     meta: Mapping[str, Any] | None = None,
     layout_dictionary: bool = True,
     selection: Mapping[str, Sequence[int]] | None = None,
+    pipelines: Mapping[str, Pipeline] | None = None,
 ) -> EncodedUpdate:
     """Compress every tensor of an update (with error feedback) into one payload.
 
@@ -174,7 +209,8 @@ def encode_update(
     pipelines the receiver expects; see :mod:`fedcomp.codecs.wire`) unless
     ``layout_dictionary`` is false. ``selection`` gives the shapes that choose each
     tensor's pipeline where they differ from the tensors' own (see
-    :meth:`CompressionPolicy.expected`).
+    :meth:`CompressionPolicy.expected`). ``pipelines`` replaces the policy's pipeline
+    of the tensors it names by a member of their family (a byte budget's counts).
 
     Returns the payload, the values the receiver will decode (for the caller's own
     bookkeeping, e.g. a downlink replica), and the encode time.
@@ -188,11 +224,103 @@ def encode_update(
         array, _ = to_numpy(value)
         pipeline = policy.pipeline_for(
             array.shape if selection is None else selection[name], name)
+        layout_spec = ""
+        if pipelines is not None and name in pipelines:
+            layout_spec, pipeline = pipeline.spec, pipelines[name]
         root, decoded[name] = memory.compress(name, value, pipeline, rng)
-        encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root))
+        encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root, layout_spec))
         numel += array.size
     payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary)
     return EncodedUpdate(payload, decoded, time.perf_counter() - start, numel)
+
+
+class BudgetError(ValueError):
+    """A byte budget below the smallest payload the model can be sent in."""
+
+
+@dataclass
+class BudgetedUpdate(EncodedUpdate):
+    """An update encoded within a byte budget, with the counts it chose."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    budget: int = 0
+    attempts: int = 0
+
+
+def encode_within_budget(
+    tensors: Mapping[str, Any],
+    policy: CompressionPolicy,
+    budget: int,
+    *,
+    rng: np.random.Generator,
+    feedback: Any = None,
+    meta: Mapping[str, Any] | None = None,
+) -> BudgetedUpdate:
+    """Encode an update into at most ``budget`` payload bytes (see :mod:`fedcomp.codecs.budget`).
+
+    The budgeted tensors' Top-K counts are allocated from the compensated update
+    (delta plus error-feedback residual), the payload is encoded and measured, and
+    the allocation rescaled until the payload fits (at most
+    :data:`~fedcomp.codecs.budget.MAX_ATTEMPTS` encodes); the largest payload that
+    fits is sent and the feedback keeps what it did not carry. ``feedback`` must
+    offer ``compensate`` and ``keep`` (:class:`~fedcomp.codecs.feedback.ErrorFeedback`
+    or :class:`~fedcomp.codecs.feedback.NoFeedback`).
+
+    Raises
+    ------
+    BudgetError
+        If even one entry per budgeted tensor does not fit.
+    """
+    memory = feedback if feedback is not None else NoFeedback()
+    start = time.perf_counter()
+    compensated = memory.compensate(tensors)
+    families = {name: policy.family_for(value.shape, name)
+                for name, value in compensated.items()}
+    budgeted = {name: compensated[name] for name, family in families.items() if family}
+    bits = value_bits(policy.pipeline_for((policy.min_numel,)))
+    tried: list[tuple[float, int]] = []
+    best: tuple[EncodedUpdate, dict[str, int]] | None = None
+    scale = 1.0
+    for _ in range(MAX_ATTEMPTS):
+        counts = allocate_counts(budgeted, bits, 8.0 * budget * scale)
+        update = encode_update(compensated, policy, rng=rng, meta=meta, pipelines={
+            name: families[name].with_count(k) for name, k in counts.items()})
+        tried.append((scale, update.nbytes))
+        if update.nbytes <= budget and (best is None or update.nbytes > best[0].nbytes):
+            best = (update, counts)
+        if best is not None and best[0].nbytes >= 0.97 * budget:
+            break
+        scale = fit_scale(tried, budget)
+    if best is None:
+        counts = {name: 1 for name in budgeted}
+        update = encode_update(compensated, policy, rng=rng, meta=meta, pipelines={
+            name: families[name].with_count(1) for name in budgeted})
+        if update.nbytes > budget:
+            raise BudgetError(f"a byte budget of {budget:,} bytes is below the smallest "
+                              f"payload of this model ({update.nbytes:,} bytes)")
+        best = (update, counts)
+    update, counts = best
+    memory.keep({name: compensated[name] - np.asarray(update.decoded[name], dtype=np.float32)
+                 for name in compensated})
+    return BudgetedUpdate(update.payload, update.decoded, time.perf_counter() - start,
+                          update.numel, counts=counts, budget=budget, attempts=len(tried))
+
+
+def minimum_payload_bytes(policy: CompressionPolicy,
+                          shapes: Mapping[str, Sequence[int]]) -> int:
+    """The smallest payload a budgeted policy can send for a model of ``shapes``: one
+    Top-K entry per budgeted tensor, the others in their fixed pipelines (coded from
+    a fixed pseudo-random update; real updates may differ by a few bytes)."""
+    rng = np.random.default_rng(0)
+    update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
+              for name, shape in shapes.items()}
+    pipelines = {}
+    for name, shape in shapes.items():
+        family = policy.family_for(tuple(shape), name)
+        if family is not None:
+            pipelines[name] = family.with_count(1)
+    return encode_update(update, policy, rng=rng, meta={"round": 0},
+                         pipelines=pipelines).nbytes
 
 
 def encoder_fingerprint(policies: Sequence[CompressionPolicy],

@@ -109,14 +109,24 @@ class EncodedTensor:
     shape: tuple[int, ...]
     pipeline: Pipeline
     root: Encoded
+    #: The spec the layout dictionary uses for this tensor when it differs from the
+    #: pipeline's own: a budgeted tensor's family template (see ``ExpectedTensor``).
+    layout_spec: str = ""
 
 
 @dataclass(frozen=True)
 class ExpectedTensor:
-    """What the receiver expects for one tensor: its shape and pipeline."""
+    """What the receiver expects for one tensor: its shape and pipeline.
+
+    ``family``, when set, also admits the pipelines its ``match(spec)`` returns (a
+    :class:`fedcomp.codecs.budget.TopKFamily`: the pipeline with another Top-K count,
+    chosen by the sender's byte budget); ``pipeline`` is then the family's template,
+    which the layout dictionary uses on both sides.
+    """
 
     shape: tuple[int, ...]
     pipeline: Pipeline
+    family: Any = None
 
 
 @dataclass
@@ -127,6 +137,8 @@ class DecodedPayload:
     specs: dict[str, str]
     meta: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
+    #: The pipeline each tensor was decoded with (a family member where one was admitted).
+    pipelines: dict[str, Pipeline] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------
@@ -223,7 +235,7 @@ def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTen
     if isinstance(layout, Mapping):
         items: Any = ((name, t.shape, t.pipeline.spec) for name, t in layout.items())
     else:
-        items = ((t.name, t.shape, t.pipeline.spec) for t in layout)
+        items = ((t.name, t.shape, t.layout_spec or t.pipeline.spec) for t in layout)
     key = _layout_key(items)
     if key not in _BUILT:
         if len(_BUILT) >= _MAX_BUILT:
@@ -528,10 +540,14 @@ def _unpack(
             want_tensor = expected.get(name)
             if want_tensor is None:
                 raise _reject(f"unexpected tensor {name!r}", "model")
-            if spec != want_tensor.pipeline.spec:
-                raise _reject(f"tensor {name!r} uses codec {spec!r:.120}; expected "
-                              f"{want_tensor.pipeline.spec!r}", "codec")
             pipeline = want_tensor.pipeline
+            if spec != pipeline.spec:
+                member = want_tensor.family.match(spec) if want_tensor.family else None
+                if member is None:
+                    what = "a member of the family of" if want_tensor.family else ""
+                    raise _reject(f"tensor {name!r} uses codec {spec!r:.120}; expected "
+                                  f"{what}{' ' if what else ''}{pipeline.spec!r}", "codec")
+                pipeline = member
         else:
             try:
                 pipeline = Pipeline.parse(spec)
@@ -547,9 +563,12 @@ def _unpack(
 
     tensors: dict[str, np.ndarray] = {}
     used_specs: dict[str, str] = {}
+    pipelines: dict[str, Pipeline] = {}
     for name, shape, pipeline, root in parsed:
         if not isinstance(root, Encoded):
             raise _reject(f"tensor {name!r}: root must be a node, not a leaf")
         tensors[name] = pipeline.decode_tensor(root, shape)
         used_specs[name] = pipeline.spec
-    return DecodedPayload(tensors=tensors, specs=used_specs, meta=meta, nbytes=total)
+        pipelines[name] = pipeline
+    return DecodedPayload(tensors=tensors, specs=used_specs, meta=meta, nbytes=total,
+                          pipelines=pipelines)

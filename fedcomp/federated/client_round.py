@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback, StateMismatchError, make_feedback
-from fedcomp.codecs.policy import EncodedUpdate, encode_update
+from fedcomp.codecs.policy import EncodedUpdate, encode_update, encode_within_budget
 from fedcomp.codecs.wire import unpack_payload
 from fedcomp.config import RunConfig
 from fedcomp.errors import PayloadError
@@ -211,15 +211,21 @@ def encode_delta(cfg: RunConfig, feedback: Any, delta: Mapping[str, np.ndarray],
     """Encode a client's delta into the round's payload; return it and any DP metric.
 
     The plain path is :func:`fedcomp.codecs.policy.encode_update` with the error-feedback
-    memory. Under ``dp = "client"`` or with a shared subspace the compensated update is
-    transformed as a whole before coding: ``u = delta + residual``, restricted to the
-    round's subspace, clipped to ``clip_norm`` (client-level DP), then coded. The new
+    memory; with ``uplink-budget`` it is
+    :func:`fedcomp.codecs.policy.encode_within_budget`. Under ``dp = "client"`` or with
+    a shared subspace the compensated update is transformed as a whole before coding:
+    ``u = delta + residual``, restricted to the round's subspace, clipped to
+    ``clip_norm`` (client-level DP), then coded. The new
     residual is what the server will not get of ``u``: the coordinates outside the
     subspace and the codec's error. What clipping cut off is dropped, not remembered:
     kept, every excess would come back in later rounds and crowd out new updates.
     """
     subspace = cfg.subspace(server_round)
     meta = {"round": server_round}
+    budget = cfg.uplink_budget_bytes(shapes)
+    if budget is not None:  # config refuses a budget with a subspace or client-level DP
+        return encode_within_budget(delta, cfg.uplink_policy, budget, feedback=feedback,
+                                    rng=rng, meta=meta), {}
     if subspace is None and cfg.dp != "client":
         return encode_update(delta, cfg.uplink_policy, feedback=feedback, rng=rng, meta=meta), {}
     compensated = feedback.compensate(delta)

@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ __all__ = [
     "RunRecorder",
     "format_summary_table",
     "format_wire_line",
+    "record_densities",
 ]
 
 ROUND_COLUMNS = [
@@ -33,7 +35,7 @@ ROUND_COLUMNS = [
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
     "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s", "raw_accuracy",
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
-    "protocol_down_bytes",
+    "protocol_down_bytes", "uplink_density", "uplink_tensor_density",
 ]
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
@@ -42,7 +44,7 @@ ROUND_COLUMNS = [
 CLIENT_COLUMNS = [
     "round", "node_id", "partition-id", "num-examples", "payload-bytes", "downlink-bytes",
     "train-s", "encode-s", "residual-norm-in", "given-back-norm", "delta-norm",
-    "replica-round", "state-from-file", "wire-up-bytes", "wire-down-bytes",
+    "replica-round", "state-from-file", "wire-up-bytes", "wire-down-bytes", "uplink-density",
 ]
 
 
@@ -80,6 +82,31 @@ class RoundRecord:
     wire_down_bytes: int = 0
     protocol_up_bytes: int = 0
     protocol_down_bytes: int = 0
+    #: With ``uplink-budget``: the share of the budgeted tensors' entries the accepted
+    #: clients sent (mean over clients), and each tensor's (``name=share;...``).
+    uplink_density: float = math.nan
+    uplink_tensor_density: str = ""
+
+
+def record_densities(kept: Mapping[int, Mapping[str, int]], expected: Mapping[str, Any],
+                     record: RoundRecord, client_metrics: dict[int, dict[str, float]]) -> None:
+    """What a byte budget chose this round, read from the decoded payloads' Top-K
+    counts (``kept``, see :class:`fedcomp.federated.aggregation.AggregationResult`):
+    each client's share of the budgeted entries into its ``clients.csv`` row, their
+    mean and each tensor's mean share into the round's row."""
+    if not kept:
+        return
+    numel = {name: math.prod(expected[name].shape) for name in next(iter(kept.values()))}
+    shares = []
+    for node, counts in kept.items():
+        share = sum(counts.values()) / max(sum(numel[name] for name in counts), 1)
+        shares.append(share)
+        if node in client_metrics:
+            client_metrics[node]["uplink-density"] = share
+    record.uplink_density = float(sum(shares) / len(shares))
+    record.uplink_tensor_density = ";".join(
+        f"{name}={sum(c[name] for c in kept.values()) / len(kept) / numel[name]:.6g}"
+        for name in numel)
 
 
 class RunRecorder:

@@ -1,0 +1,257 @@
+"""Compression to a byte budget: parsing, the Top-K family the receiver admits, the
+water-filling allocation, and encoding that never exceeds the budget."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fedcomp.codecs.budget import (
+    TopKFamily,
+    allocate_counts,
+    candidate_counts,
+    estimated_bits,
+    parse_budget,
+    value_bits,
+)
+from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.policy import (
+    BudgetError,
+    CompressionPolicy,
+    encode_update,
+    encode_within_budget,
+    minimum_payload_bytes,
+)
+from fedcomp.codecs.wire import unpack_payload
+from fedcomp.config import RunConfig
+from fedcomp.errors import PayloadError, SpecError
+from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
+from fedcomp.ops.results import RoundRecord, record_densities
+
+SHAPES = {"conv1.weight": (32, 1, 3, 3), "conv1.bias": (32,), "conv2.weight": (64, 32, 3, 3),
+          "fc1.weight": (128, 784), "fc2.weight": (10, 128)}
+NUMEL = sum(math.prod(s) for s in SHAPES.values())
+TEMPLATE = "topk:ratio=0.01|ternary:mode=mean"
+POLICY = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True)
+
+
+def _update(seed: int, scales: dict[str, float] | None = None) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {name: (rng.standard_normal(shape) * (scales or {}).get(name, 1.0)).astype(
+        np.float32) for name, shape in SHAPES.items()}
+
+
+# ---------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize(("text", "numel", "nbytes"), [
+    ("500x", 100_000, 800), ("0.064bpp", 100_000, 800), ("800B", 1, 800),
+    ("4kB", 1, 4000), ("4KiB", 1, 4096), (" 1e3x ", 4000, 16), ("1x", 10, 40),
+])
+def test_budgets_read_as_payload_bytes(text, numel, nbytes):
+    assert parse_budget(text).payload_bytes(numel) == nbytes
+
+
+@pytest.mark.parametrize("text", ["500", "x", "0x", "-5x", "0.5x", "5 bits", "nanx",
+                                  "1e999x", "5xx", "0bpp"])
+def test_bad_budgets_are_refused_naming_the_text(text):
+    with pytest.raises(SpecError, match="budget"):
+        parse_budget(text)
+
+
+def test_no_budget_is_none_and_a_non_string_is_refused():
+    assert parse_budget("") is None and parse_budget("  ") is None
+    with pytest.raises(SpecError):
+        parse_budget(500)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- family
+@given(st.integers(1, 500))
+def test_the_family_admits_its_template_at_every_count_and_nothing_else(k):
+    family = TopKFamily(Pipeline.parse(TEMPLATE), 500)
+    member = family.with_count(k)
+    assert family.match(member.spec) is not None
+    assert family.match(member.spec).spec == member.spec
+    for other in (f"topk:ratio=0.01,k={k}|ternary:mode=stochastic",
+                  f"topk:ratio=0.02,k={k}|ternary:mode=mean",
+                  f"topk:ratio=0.01,k={k},approx=true|ternary:mode=mean",
+                  f"topk:ratio=0.01,k={k}|ternary:mode=mean|zstd",
+                  f"topk:ratio=0.01,k={k}", f"randk:ratio=0.01,k={k}|ternary:mode=mean",
+                  f"topk:ratio=0.01,k={500 + k}|ternary:mode=mean",
+                  "topk:ratio=0.01|ternary:mode=mean".replace("0.01", "0.01,k=0"),
+                  "topk:ratio=0.01,k=-1|ternary:mode=mean", "no such codec", "", "|" * 600):
+        assert family.match(other) is None, other
+
+
+def test_a_budget_needs_an_exact_top_k_first():
+    for spec in ("quant:bits=4", "randk:ratio=0.01|quant:bits=4",
+                 "topk:ratio=0.01,approx=true|quant:bits=4"):
+        with pytest.raises(SpecError, match="exact Top-K"):
+            CompressionPolicy(spec, budgeted=True)
+
+
+def test_value_bits_follow_the_value_codec():
+    assert value_bits(Pipeline.parse("topk|quant:bits=4")) == 4
+    assert value_bits(Pipeline.parse("topk|ternary")) == pytest.approx(math.log2(3))
+    assert value_bits(Pipeline.parse("topk|fp16")) == 16
+    assert value_bits(Pipeline.parse("topk")) == 32
+
+
+# ---------------------------------------------------------------------------- allocation
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.floats(200, 200_000))
+def test_the_allocation_fits_the_estimate_and_is_pure(seed, budget_bits):
+    tensors = {k: v for k, v in _update(seed).items() if v.size >= 1024}
+    counts = allocate_counts(tensors, 1.6, budget_bits)
+    assert counts == allocate_counts(tensors, 1.6, budget_bits)
+    assert set(counts) == set(tensors)
+    total = sum(float(estimated_bits(tensors[n].size, np.array([k]), 1.6)[0])
+                for n, k in counts.items())
+    floor = sum(float(estimated_bits(v.size, np.array([1]), 1.6)[0]) for v in tensors.values())
+    assert total <= max(budget_bits, floor) + 1e-6
+    for name, k in counts.items():
+        assert k in candidate_counts(tensors[name].size)
+
+
+def test_more_energy_earns_more_entries_and_a_larger_budget_never_fewer():
+    base = _update(0)
+    tensors = {"a": base["fc1.weight"], "b": base["fc1.weight"][::-1].copy() * 10}
+    counts = allocate_counts(tensors, 1.6, 20_000)
+    assert counts["b"] > counts["a"]
+    totals = [sum(allocate_counts(tensors, 1.6, bits).values())
+              for bits in (2_000, 8_000, 32_000, 128_000)]
+    assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+# ---------------------------------------------------------------------------- encoding
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(["100x", "300x", "1000x", "3000x"]),
+       st.sampled_from([TEMPLATE, "topk:ratio=0.01|quant:bits=4",
+                        "topk:ratio=0.01|quant:bits=2|zstd"]))
+def test_a_budgeted_payload_never_exceeds_the_budget_and_decodes_strictly(seed, text, spec):
+    policy = CompressionPolicy(spec, "quant:bits=8", 1024, budgeted=True)
+    budget = parse_budget(text).payload_bytes(NUMEL)
+    memory = ErrorFeedback(policy.description)
+    for server_round in range(3):
+        delta = _update(seed + server_round)
+        try:
+            update = encode_within_budget(delta, policy, budget, rng=np.random.default_rng(
+                seed), feedback=memory, meta={"round": server_round})
+        except BudgetError:
+            assert budget < minimum_payload_bytes(policy, SHAPES) * 1.2
+            return
+        assert update.nbytes <= budget
+        decoded = unpack_payload(update.payload, expected=policy.expected(SHAPES))
+        for name, value in decoded.tensors.items():
+            np.testing.assert_array_equal(value, np.asarray(update.decoded[name]))
+            if policy.family_for(SHAPES[name], name) is not None:
+                assert np.count_nonzero(value) <= update.counts[name]
+
+
+def test_error_feedback_keeps_exactly_what_the_budget_did_not_send():
+    memory = ErrorFeedback(POLICY.description)
+    budget = parse_budget("500x").payload_bytes(NUMEL)
+    sent = {name: np.zeros(shape, np.float64) for name, shape in SHAPES.items()}
+    inputs = {name: np.zeros(shape, np.float64) for name, shape in SHAPES.items()}
+    for server_round in range(4):
+        delta = _update(server_round)
+        update = encode_within_budget(delta, POLICY, budget, rng=np.random.default_rng(0),
+                                      feedback=memory, meta={"round": server_round})
+        for name in SHAPES:
+            inputs[name] += delta[name]
+            sent[name] += np.asarray(update.decoded[name], np.float64)
+    residual = memory.memory
+    for name in SHAPES:
+        np.testing.assert_allclose(sent[name] + residual[name], inputs[name], atol=1e-4)
+
+
+def test_a_starved_tensor_is_sent_more_as_its_residual_grows():
+    """fc1 moves a little, always the same way; the other tensors a lot, at random.
+    With error feedback fc1's residual accumulates and earns it entries, so far more
+    of its drift reaches the server than a memoryless allocation delivers."""
+    budget = parse_budget("300x").payload_bytes(NUMEL)
+    drift = _update(99)["fc1.weight"] * 0.05
+
+    def delivered(memory) -> float:
+        total = np.zeros_like(drift, dtype=np.float64)
+        for r in range(12):
+            delta = {**_update(r), "fc1.weight": drift}
+            total += encode_within_budget(delta, POLICY, budget, rng=np.random.default_rng(0),
+                                          feedback=memory, meta={"round": r}
+                                          ).decoded["fc1.weight"]
+        cumulative = 12 * drift.astype(np.float64)
+        return float(np.vdot(total, cumulative) / np.vdot(cumulative, cumulative))
+
+    with_feedback, memoryless = delivered(ErrorFeedback(POLICY.description)), delivered(
+        NoFeedback())
+    assert with_feedback > 4 * memoryless > 0, (with_feedback, memoryless)
+
+
+def test_a_budget_below_the_smallest_payload_is_refused():
+    floor = minimum_payload_bytes(POLICY, SHAPES)
+    assert 0 < floor < 4 * NUMEL
+    with pytest.raises(BudgetError, match="smallest payload"):
+        encode_within_budget(_update(0), POLICY, floor // 2, rng=np.random.default_rng(0))
+
+
+def test_the_receiver_refuses_a_count_outside_the_tensor_or_another_value_codec():
+    update = _update(0)
+    expected = POLICY.expected(SHAPES)
+    too_many = TopKFamily(Pipeline.parse(TEMPLATE), 10**6)
+    for pipeline in (too_many.with_count(20_000),  # conv2 has 18,432 entries
+                     Pipeline.parse("topk:ratio=0.01,k=5|ternary:mode=stochastic")):
+        payload = encode_update(update, POLICY, rng=np.random.default_rng(0),
+                                meta={"round": 0},
+                                pipelines={"conv2.weight": pipeline}).payload
+        with pytest.raises(PayloadError, match="family") as info:
+            unpack_payload(payload, expected=expected)
+        assert info.value.reason == "codec"
+
+
+# ---------------------------------------------------------------------------- run config
+@pytest.mark.parametrize(("values", "fragment"), [
+    ({"uplink-budget": "fast"}, "'uplink-budget'"),
+    ({"uplink-budget": "500x", "codec": "quant:bits=4"}, "exact Top-K"),
+    ({"uplink-budget": "500x", "shared-randk": 0.1}, "cannot be combined"),
+])
+def test_run_config_refuses_bad_budgets(values, fragment):
+    with pytest.raises(SpecError, match=fragment):
+        RunConfig.from_mapping(values)
+
+
+def test_run_config_refuses_a_budget_below_the_model_floor_naming_what_fits():
+    cfg = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE})
+    with pytest.raises(SpecError, match=r"smallest payload of this model: [\d,]+ bytes.*"
+                                        r"use at most '\d+x'"):
+        cfg.check_uplink_budget(SHAPES)
+    RunConfig.from_mapping({"uplink-budget": "200x"}).check_uplink_budget(SHAPES)
+    assert RunConfig().uplink_budget_bytes(SHAPES) is None
+    assert RunConfig.from_mapping({"uplink-budget": "1000B"}).uplink_budget_bytes(SHAPES) == 1000
+
+
+def test_the_server_reads_each_clients_choices_from_its_payload():
+    budget = parse_budget("500x").payload_bytes(NUMEL)
+    replies, sent = [], {}
+    for node in (1, 2, 3):
+        update = encode_within_budget(_update(node), POLICY, budget,
+                                      rng=np.random.default_rng(node), meta={"round": 4})
+        replies.append(ClientReply(node, update.payload, 10.0))
+        sent[node] = update.counts
+    expected = POLICY.expected(SHAPES)
+    result = aggregate_deltas(replies, expected, expected_meta={"round": 4})
+    assert result.accepted == [1, 2, 3] and result.kept == sent
+    record, metrics = RoundRecord(round=4), {1: {}, 2: {}, 3: {}}
+    record_densities(result.kept, expected, record, metrics)
+    budgeted = sum(math.prod(SHAPES[n]) for n in sent[1])
+    for node in sent:
+        assert metrics[node]["uplink-density"] == pytest.approx(
+            sum(sent[node].values()) / budgeted)
+    assert record.uplink_density == pytest.approx(
+        np.mean([m["uplink-density"] for m in metrics.values()]))
+    shares = dict(item.split("=") for item in record.uplink_tensor_density.split(";"))
+    assert set(shares) == set(sent[1])
+    assert float(shares["fc1.weight"]) == pytest.approx(
+        np.mean([s["fc1.weight"] for s in sent.values()]) / (128 * 784), rel=1e-5)
