@@ -36,6 +36,9 @@ def test_rounds_csv_and_summary_json(tmp_path):
     assert summary["rejected_by_reason"] == {"checksum": 3, "stale": 1}
     assert "best_raw_accuracy" not in summary  # no server-average: no raw figures
     assert "wire" not in summary  # a simulation: nothing crossed a network
+    machine = summary["machine"]
+    assert machine["cores"] >= 1 and machine["cpu"] and machine["python"].count(".") == 2
+    assert machine["flwr"] == "1.42.0" and machine["numpy"]
     table = format_summary_table([summary])
     header, row = table.splitlines()
     assert header.endswith("up x fp32  down x fp32  total x fp32")

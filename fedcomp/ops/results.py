@@ -9,8 +9,11 @@ notebook (``pandas.read_csv``), while it runs.
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import math
+import os
+import platform
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -86,6 +89,28 @@ class RoundRecord:
     #: clients sent (mean over clients), and each tensor's (``name=share;...``).
     uplink_density: float = math.nan
     uplink_tensor_density: str = ""
+
+
+def machine_facts() -> dict[str, Any]:
+    """Where a run's numbers come from: the CPU (torch's kernels differ by CPU, which
+    moves accuracy by tenths of a point), its cores, and the versions that shape
+    results."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {}
+    for package in ("fedcomp", "flwr", "torch", "numpy", "zstandard"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            **versions}
 
 
 def record_densities(kept: Mapping[int, Mapping[str, int]], expected: Mapping[str, Any],
@@ -321,6 +346,7 @@ class RunRecorder:
             "decode_s": sum(r.decode_s for r in self.rows),
             "train_s": sum(r.train_s for r in self.rows),
             **({"wire": wire} if (wire := self.wire_summary()) else {}),
+            "machine": machine_facts(),
             **self.extra,
         }
 
