@@ -63,6 +63,13 @@ _DIGEST_BASELINE = {"norm-bound": 0.0, "norm-action": "reject", "weight-cap": 0.
 _CLIENT_DP_ID_BOUNDS = {"norm-bound": 3.0, "weight-cap": 3.0}
 
 
+def _budget_bytes(text: str, shapes: Mapping[str, Any]) -> int | None:
+    budget = parse_budget(text)
+    if budget is None:
+        return None
+    return budget.payload_bytes(sum(math.prod(shape) for shape in shapes.values()))
+
+
 def _defaults() -> dict[str, Any]:
     """Field name -> default value."""
     return {f.name: f.default for f in dataclasses.fields(RunConfig) if not f.name.startswith("_")}
@@ -102,6 +109,7 @@ class RunConfig:
     feedback: str = "ef"
     downlink_codec: str = "topk:ratio=0.08|quant:bits=4"
     downlink_codec_overrides: str = ""
+    downlink_budget: str = ""
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
     downlink_forget_after: int = 0
@@ -260,24 +268,28 @@ class RunConfig:
                 overrides.append(parse_overrides(getattr(self, name)))
             except SpecError as exc:
                 raise SpecError(f"run config {config_key(name)!r}: {exc}") from None
-        try:
-            budget = parse_budget(self.uplink_budget)
-        except SpecError as exc:
-            raise SpecError(f"run config 'uplink-budget': {exc}") from None
-        if budget is not None and (self.dp == "client" or self.shared_randk):
+        budgets = []
+        for key in ("uplink-budget", "downlink-budget"):
+            try:
+                budgets.append(parse_budget(getattr(self, key.replace("-", "_"))))
+            except SpecError as exc:
+                raise SpecError(f"run config {key!r}: {exc}") from None
+        if budgets[0] is not None and (self.dp == "client" or self.shared_randk):
             raise SpecError("run config 'uplink-budget' cannot be combined with dp = "
                             "'client' or 'shared-randk' (they code a transformed update "
                             "whose bytes the budget does not yet allocate)")
-        try:
-            uplink = CompressionPolicy(self.codec, self.small_codec, self.min_numel,
-                                       overrides[0], budgeted=budget is not None)
-        except SpecError as exc:
-            raise SpecError(f"run config 'codec' with 'uplink-budget': {exc}") from None
-        object.__setattr__(self, "_policies", (
-            uplink,
-            CompressionPolicy(self.downlink_codec, self.small_codec, self.min_numel,
-                              overrides[1]),
-        ))
+        policies = []
+        for (codec_key, codec), budget, pairs in zip(
+                (("codec", self.codec), ("downlink-codec", self.downlink_codec)),
+                budgets, overrides, strict=True):
+            try:
+                policies.append(CompressionPolicy(codec, self.small_codec, self.min_numel,
+                                                  pairs, budgeted=budget is not None))
+            except SpecError as exc:
+                side = "uplink" if codec_key == "codec" else "downlink"
+                raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"
+                                ) from None
+        object.__setattr__(self, "_policies", tuple(policies))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -312,12 +324,13 @@ class RunConfig:
     def uplink_budget_bytes(self, shapes: Mapping[str, Any]) -> int | None:
         """The most payload bytes one update of a model of ``shapes`` may take under
         ``uplink-budget`` (None: no budget)."""
-        budget = parse_budget(self.uplink_budget)
-        if budget is None:
-            return None
-        return budget.payload_bytes(sum(math.prod(shape) for shape in shapes.values()))
+        return _budget_bytes(self.uplink_budget, shapes)
 
-    def check_uplink_budget(self, shapes: Mapping[str, Any]) -> None:
+    def downlink_budget_bytes(self, shapes: Mapping[str, Any]) -> int | None:
+        """The same for one downlink payload under ``downlink-budget``."""
+        return _budget_bytes(self.downlink_budget, shapes)
+
+    def check_budgets(self, shapes: Mapping[str, Any]) -> None:
         """Refuse, before round 1, a budget below the smallest payload of this model.
 
         Raises
@@ -325,19 +338,22 @@ class RunConfig:
         fedcomp.errors.SpecError
             Naming the budget, the smallest payload and the largest factor that fits.
         """
-        budget = parse_budget(self.uplink_budget)
-        if budget is None:
-            return
-        numel = sum(math.prod(shape) for shape in shapes.values())
-        floor = minimum_payload_bytes(self.uplink_policy, shapes)
-        # A little room over the floor: real updates code a few bytes either way.
-        need = int(floor * 1.05) + 16
-        if budget.payload_bytes(numel) < need:
-            raise SpecError(
-                f"run config 'uplink-budget' {budget.describe(numel)} is below the "
-                f"smallest payload of this model: {need:,} bytes (one Top-K entry per "
-                f"budgeted tensor, the small tensors in {self.small_codec!r}); use at "
-                f"most '{int(4 * numel / need)}x' or at least '{8 * need / numel:.4f}bpp'")
+        for key, text, policy in (("uplink-budget", self.uplink_budget, self.uplink_policy),
+                                  ("downlink-budget", self.downlink_budget,
+                                   self.downlink_policy)):
+            budget = parse_budget(text)
+            if budget is None:
+                continue
+            numel = sum(math.prod(shape) for shape in shapes.values())
+            floor = minimum_payload_bytes(policy, shapes)
+            # A little room over the floor: real updates code a few bytes either way.
+            need = int(floor * 1.05) + 16
+            if budget.payload_bytes(numel) < need:
+                raise SpecError(
+                    f"run config {key!r} {budget.describe(numel)} is below the smallest "
+                    f"payload of this model: {need:,} bytes (one Top-K entry per budgeted "
+                    f"tensor, the small tensors in {self.small_codec!r}); use at most "
+                    f"'{int(4 * numel / need)}x' or at least '{8 * need / numel:.4f}bpp'")
 
     @property
     def fault_plan(self) -> FaultPlan:

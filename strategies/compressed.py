@@ -112,11 +112,13 @@ class CompressedFedAvg(FedAvg):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0,
                          min_train_nodes=1, min_available_nodes=1)
         self.cfg = cfg
+        cfg.check_budgets(initial)  # before round 1, naming the smallest payload
         self.state = ServerState(
             downlink=make_downlink(cfg.downlink_mode, initial, cfg.downlink_policy,
                                    history=cfg.downlink_history, seed=cfg.seed,
                                    shared_init=cfg.shared_init,
-                                   forget_after=cfg.downlink_forget_after),
+                                   forget_after=cfg.downlink_forget_after,
+                                   budget=cfg.downlink_budget_bytes(initial)),
             optimizer=ServerOptimizer(
                 cfg.server_optimizer, lr=cfg.server_lr, momentum=cfg.server_momentum,
                 beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,
@@ -129,7 +131,6 @@ class CompressedFedAvg(FedAvg):
             rng=np.random.default_rng([cfg.seed, 0x5A]))
         #: What every uplink payload must hold (with shared-randk: the compact tensors).
         self.expected = cfg.uplink_expected(self.broadcaster.shapes)
-        cfg.check_uplink_budget(self.broadcaster.shapes)  # before round 1, naming the floor
         self.expected_shapes = {name: spec.shape for name, spec in self.expected.items()}
         #: The data partition each node said it holds (orders the sampling).
         self.partition_of: dict[int, int] = {}

@@ -226,8 +226,10 @@ def test_run_config_refuses_a_budget_below_the_model_floor_naming_what_fits():
     cfg = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE})
     with pytest.raises(SpecError, match=r"smallest payload of this model: [\d,]+ bytes.*"
                                         r"use at most '\d+x'"):
-        cfg.check_uplink_budget(SHAPES)
-    RunConfig.from_mapping({"uplink-budget": "200x"}).check_uplink_budget(SHAPES)
+        cfg.check_budgets(SHAPES)
+    RunConfig.from_mapping({"uplink-budget": "200x"}).check_budgets(SHAPES)
+    with pytest.raises(SpecError, match="'downlink-budget'"):
+        RunConfig.from_mapping({"downlink-budget": "100000x"}).check_budgets(SHAPES)
     assert RunConfig().uplink_budget_bytes(SHAPES) is None
     assert RunConfig.from_mapping({"uplink-budget": "1000B"}).uplink_budget_bytes(SHAPES) == 1000
 
@@ -255,3 +257,31 @@ def test_the_server_reads_each_clients_choices_from_its_payload():
     assert set(shares) == set(sent[1])
     assert float(shares["fc1.weight"]) == pytest.approx(
         np.mean([s["fc1.weight"] for s in sent.values()]) / (128 * 784), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------- downlink
+@pytest.mark.parametrize("mode", ["shared", "per-client"])
+def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode):
+    from fedcomp.federated.downlink import Recipient, Replica, make_downlink, model_digest
+
+    policy = CompressionPolicy("topk:ratio=0.01|quant:bits=4", "quant:bits=8", 1024,
+                               budgeted=True)
+    rng = np.random.default_rng(3)
+    initial = _update(50)
+    budget = parse_budget("300x").payload_bytes(NUMEL)
+    server = make_downlink(mode, initial, policy, history=10, seed=0, shared_init=True,
+                           budget=budget)
+    replica, who = Replica(), Recipient(node=1, key="c0", stream=0)
+    compressed = 0
+    for _ in range(4):
+        target = {k: v + rng.standard_normal(v.shape).astype(np.float32) * 0.01
+                  for k, v in server.model.items()}
+        server.publish(target)
+        message = server.send(who)
+        if message.kind != "full":
+            compressed += 1
+            assert all(len(p) <= budget for p in message.payloads)
+        replica.apply(message, server.shapes, policy, initial=initial)
+        server.applied(who)
+        assert model_digest(replica.model) == server.digest_for(who)
+    assert compressed >= 3

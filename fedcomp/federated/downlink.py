@@ -43,12 +43,17 @@ import hashlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from fedcomp.codecs.feedback import ErrorFeedback
-from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.policy import (
+    CompressionPolicy,
+    EncodedUpdate,
+    encode_update,
+    encode_within_budget,
+)
 from fedcomp.codecs.wire import unpack_payload
 from fedcomp.errors import PayloadError
 
@@ -160,12 +165,23 @@ class Downlink(Protocol):
 
 def make_downlink(mode: str, model: Mapping[str, np.ndarray], policy: CompressionPolicy, *,
                   history: int, seed: int, shared_init: bool,
-                  forget_after: int = 0) -> Downlink:
-    """The downlink of ``downlink-mode`` ``mode`` (``"shared"`` or ``"per-client"``)."""
+                  forget_after: int = 0, budget: int | None = None) -> Downlink:
+    """The downlink of ``downlink-mode`` ``mode`` (``"shared"`` or ``"per-client"``);
+    ``budget``: the most bytes a compressed payload may take (``downlink-budget``)."""
     if mode == "per-client":
         return PerClientBroadcaster(model, policy, seed=seed, shared_init=shared_init,
-                                    forget_after=forget_after)
-    return Broadcaster(model, policy, history=history, seed=seed, shared_init=shared_init)
+                                    forget_after=forget_after, budget=budget)
+    return Broadcaster(model, policy, history=history, seed=seed, shared_init=shared_init,
+                       budget=budget)
+
+
+def _encode(values: Mapping[str, np.ndarray], policy: CompressionPolicy, budget: int | None,
+            *, rng: np.random.Generator, meta: Mapping[str, Any],
+            feedback: Any = None) -> EncodedUpdate:
+    """``encode_update``, or ``encode_within_budget`` when the downlink has a budget."""
+    if budget is None:
+        return encode_update(values, policy, rng=rng, feedback=feedback, meta=meta)
+    return encode_within_budget(values, policy, budget, rng=rng, feedback=feedback, meta=meta)
 
 
 @dataclass
@@ -182,6 +198,8 @@ class Broadcaster:
     updates: dict[int, bytes] = field(default_factory=dict)
     #: The round each node's replica is known to be at (a lower bound; -1: unknown).
     node_rounds: dict[int, int] = field(default_factory=dict)
+    #: The most bytes an update may take (``downlink-budget``; None: the codec's own).
+    budget: int | None = None
     per_client = False
 
     def __post_init__(self) -> None:
@@ -230,8 +248,8 @@ class Broadcaster:
     def publish(self, target: Mapping[str, np.ndarray]) -> int:
         """Move the shared model towards ``target``; return the update's bytes."""
         delta = {k: np.asarray(target[k], dtype=np.float32) - v for k, v in self.model.items()}
-        update = encode_update(delta, self.policy, rng=self.rng, feedback=self.feedback,
-                               meta={"kind": "delta", "from-round": self.round})
+        update = _encode(delta, self.policy, self.budget, rng=self.rng, feedback=self.feedback,
+                         meta={"kind": "delta", "from-round": self.round})
         for name, value in update.decoded.items():
             self.model[name] += value
         self.updates[self.round] = update.payload
@@ -346,6 +364,9 @@ class PerClientBroadcaster:
         Rounds a client may stay unsampled before the server drops what it knows of
         it (0: never). A forgotten client is treated as one never seen: with
         ``shared_init`` a catch-up from the round-0 model, else the full model.
+    budget
+        The most bytes a catch-up payload may take (``downlink-budget``; None: the
+        codec's own Top-K counts); what it leaves out of the difference stays there.
 
     Notes
     -----
@@ -359,9 +380,11 @@ class PerClientBroadcaster:
     per_client = True
 
     def __init__(self, model: Mapping[str, np.ndarray], policy: CompressionPolicy,
-                 seed: int = 0, shared_init: bool = True, forget_after: int = 0) -> None:
+                 seed: int = 0, shared_init: bool = True, forget_after: int = 0,
+                 budget: int | None = None) -> None:
         self.model = {k: np.array(v, dtype=np.float32) for k, v in model.items()}
         self.policy = policy
+        self.budget = budget
         self.seed = seed
         self.shared_init = shared_init
         self.forget_after = forget_after
@@ -466,8 +489,9 @@ class PerClientBroadcaster:
             replica = self._rebuilt(client)
         if held is not None and replica is not None:
             difference = {k: v - replica[k] for k, v in self.model.items()}
-            update = encode_update(
-                difference, self.policy,
+            # What a budget leaves out stays in the difference, sent in a later round.
+            update = _encode(
+                difference, self.policy, self.budget,
                 rng=np.random.default_rng([self.seed, self.round, stream, 0xD0]),
                 meta={"kind": "catchup", "round": self.round})
             if len(update.payload) < len(self.full_payload()):
