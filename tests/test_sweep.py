@@ -474,8 +474,8 @@ def test_committed_runs_are_what_their_sweep_file_makes(folder):
 def test_committed_attack_runs_are_what_the_results_pages_commands_make():
     """experiments/runs/faults-* hold exactly the runs of the results page's commands
     (digits: every defence at seed 0, label flipping on seeds 0-3; Fashion-MNIST: the
-    3x bound and the default against every attack, the robust rules against one
-    attacker in ten of each kind, no defence against four)."""
+    3x bound, the default and the robust rules against one and three attackers in ten
+    of each kind, no defence against four)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
@@ -489,8 +489,8 @@ def test_committed_attack_runs_are_what_the_results_pages_commands_make():
     made = {r.run_id for r in every.runs} | {r.run_id for r in seeds.runs}
     committed = {p.name for p in (ROOT / "experiments/runs/faults-digits").glob("r-*")}
     assert committed == made
-    # Fashion-MNIST: every attack behind the 3x bound and the default, one attacker in
-    # ten under each robust rule, four attacks without a defence.
+    # Fashion-MNIST: every attack behind the 3x bound, the default and each robust rule,
+    # four attacks without a defence.
     fashion = [tolerance.build_sweep("fashion-mnist", [defence], tolerance.ATTACKS,
                                      [0.1, 0.3], 10, [0]) for defence in ("clip3x", "default")]
     fashion.append(tolerance.build_sweep("fashion-mnist", ["none"],
@@ -498,6 +498,8 @@ def test_committed_attack_runs_are_what_the_results_pages_commands_make():
                                          [0.1], 10, [0]))
     fashion.append(tolerance.build_sweep("fashion-mnist", ["median", "trimmed", "krum"],
                                          tolerance.ATTACKS, [0.1], 10, [0]))
+    fashion.append(tolerance.build_sweep("fashion-mnist", ["median", "trimmed", "krum"],
+                                         tolerance.ATTACKS, [0.3], 10, [0]))
     made = {r.run_id for sweep in fashion for r in sweep.runs}
     committed = {p.name for p in (ROOT / "experiments/runs/faults-fashion").glob("r-*")}
     assert committed == made
