@@ -125,6 +125,84 @@ def test_every_deploy_command_of_the_readme_parses_as_written():
         parser.parse_args(argv)  # SystemExit (exit 2) on an unknown or missing option
 
 
+@pytest.mark.slow
+def test_the_readmes_deployment_commands_run_as_written(tmp_path):
+    """Steps 1-5 of the README's deployment, run on this machine with only what must
+    differ here replaced: the SuperLink's name and address (localhost, loopback, free
+    ports), the folders (under tmp_path), the round count, and a second SuperNode made
+    from the first one's line as the README says (its own node, partition, --port)."""
+    import shlex
+
+    from fedcomp.ops.deploy import _processes_mentioning, free_port
+
+    port, node_ports = free_port(), [free_port(), free_port()]
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip().startswith(".venv/bin/fedcomp deploy")]
+    replaced = {
+        ".venv/bin/fedcomp": str(Path(sys.executable).with_name("fedcomp")),
+        "fl.example.org": "localhost", "--host 0.0.0.0": "--host 127.0.0.1",
+        ":8000": f":{port}", "--port 8000": f"--port {port}",
+        "deploy/": f"{tmp_path}/deploy/", "/data/fashion-mnist": f"{tmp_path}/data",
+        "/var/lib/fedcomp": f"{tmp_path}/state", "num-server-rounds=50": "num-server-rounds=2",
+    }
+    commands = {}
+    for line in lines:
+        for old, new in replaced.items():
+            line = line.replace(old, new)
+        argv = shlex.split(line.split("#")[0])
+        commands.setdefault(argv[2], []).append(argv)
+    assert set(commands) == {"certs", "superlink", "connection", "register", "supernode",
+                             "run"}, sorted(commands)
+    env = {**flower_env(ROOT), "FLWR_HOME": str(tmp_path / "flwr-home")}
+    started: list[subprocess.Popen] = []
+    log = (tmp_path / "deploy.log").open("ab")
+
+    def start(argv: list[str]) -> None:
+        started.append(subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True))
+
+    def run(argv: list[str]) -> None:
+        done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        assert done.returncode == 0, (argv, done.stdout[-3000:], done.stderr[-3000:])
+
+    try:
+        run(commands["certs"][0])
+        start(commands["superlink"][0])
+        _wait_for(lambda: _port_open(port), 60, "the SuperLink's port")
+        run(commands["connection"][0])
+        for argv in commands["register"]:
+            run(argv)
+        (first,) = commands["supernode"]
+        second = " ".join(first).replace("--node 0", "--node 1").replace(
+            "--partition-id 0", "--partition-id 1").replace("/state", "/state-1")
+        for argv, node_port in ((first, node_ports[0]), (shlex.split(second), node_ports[1])):
+            start([*argv, "--port", str(node_port)])
+        (run_argv,) = commands["run"]
+        run([*run_argv, "--results-dir", str(tmp_path / "results"), "--run-name", "readme"])
+        summary = json.loads((tmp_path / "results" / "readme" / "summary.json").read_text())
+        assert summary["rounds_completed"] == 2 and summary["final_accuracy"] > 0.1
+    finally:
+        for process in started:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        needles = [f"127.0.0.1:{p}".encode() for p in [port, *node_ports]]
+        needles.append(f"localhost:{port}".encode())
+        for pid in _processes_mentioning(needles):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def _read_csv(path: Path) -> list[dict[str, str]]:
     with path.open() as handle:
         return list(csv.DictReader(handle))

@@ -516,12 +516,17 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
         for round_ in (1, 2):
             recorder.record(RoundRecord(
                 round_, accuracy=0.5 + 0.1 * round_, uplink_bytes=1_000, downlink_bytes=4_000,
-                clients_ok=2, clients_sampled=2, **({} if not wire else dict(
+                clients_ok=2, clients_sampled=2, **(dict(
+                    uplink_density=0.02, uplink_tensor_density="fc1.weight=0.01;conv2=0.2")
+                    if not wire else dict(
                     wire_nodes=2, wire_up_bytes=30_000, wire_down_bytes=14_000,
                     protocol_up_bytes=29_000, protocol_down_bytes=10_000))))
         recorder.finish()
     (tmp_path / "not-a-run").mkdir()
     assert [r.method for r in load_runs(tmp_path)] == ["deployed", "simulated"]
+    budgeted = load_runs(tmp_path / "simulated")[0].rounds[0]  # a byte budget's text column
+    assert budgeted["uplink_tensor_density"] == "fc1.weight=0.01;conv2=0.2"
+    assert budgeted["uplink_density"] == 0.02
     assert [r.method for r in load_runs(tmp_path / "deployed")] == ["deployed"]
     table, _ = write_report(tmp_path, target=0.65)
     wire_rows = [line for line in table.splitlines()

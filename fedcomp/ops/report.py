@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fedcomp.config import RunConfig
+from fedcomp.ops.results import TEXT_ROUND_COLUMNS
 
 __all__ = [
     "MethodResult",
@@ -65,7 +66,7 @@ __all__ = [
 class RunResult:
     run_id: str
     values: dict[str, Any]
-    rounds: list[dict[str, float]]
+    rounds: list[dict[str, float | str]]
     summary: dict[str, Any]
 
     @property
@@ -87,6 +88,11 @@ class MethodResult:
 
 def _number(text: str) -> float:
     return float(text) if text not in ("", "nan") else math.nan
+
+
+def _cell(key: str, text: str) -> float | str:
+    """A rounds.csv cell: a number, or the text of a column that holds text."""
+    return text if key in TEXT_ROUND_COLUMNS else _number(text)
 
 
 def load_runs(out_dir: str | Path) -> list[RunResult]:
@@ -111,7 +117,7 @@ def load_runs(out_dir: str | Path) -> list[RunResult]:
 
 def _load_run(run_dir: Path) -> RunResult:
     with (run_dir / "rounds.csv").open() as handle:
-        rounds = [{k: _number(v) for k, v in r.items()} for r in csv.DictReader(handle)]
+        rounds = [{k: _cell(k, v) for k, v in r.items()} for r in csv.DictReader(handle)]
     summary = json.loads((run_dir / "summary.json").read_text())
     return RunResult(run_dir.name, {"method": run_dir.name}, rounds, summary)
 

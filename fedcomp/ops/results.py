@@ -26,6 +26,7 @@ __all__ = [
     "CLIENT_COLUMNS",
     "FP32_NOTE",
     "ROUND_COLUMNS",
+    "TEXT_ROUND_COLUMNS",
     "RoundRecord",
     "RunRecorder",
     "format_summary_table",
@@ -40,6 +41,9 @@ ROUND_COLUMNS = [
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
     "protocol_down_bytes", "uplink_density", "uplink_tensor_density",
 ]
+
+#: The columns of ``rounds.csv`` that hold text, not numbers.
+TEXT_ROUND_COLUMNS = frozenset({"uplink_tensor_density"})
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
 #: client reported about itself (bytes it sent and received, residual, the norm of a
