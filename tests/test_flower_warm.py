@@ -185,6 +185,40 @@ def test_the_claim_loop_runs_each_task_once_and_survives_an_unreachable_node(mon
     assert client.closed
 
 
+def test_a_revoked_or_failing_task_never_ends_the_worker(monkeypatch):
+    """Flower's client sends its own process SIGINT when the SuperNode refuses a task's
+    token (seen on an overloaded machine): that task is dropped and the worker claims
+    the next; a task whose running raises is logged and the worker goes on too."""
+    worker = WarmClientAppWorker("127.0.0.1:1", poll_seconds=0.01)
+    answers = iter([("t1", _FakeTask(1)), ("t2", _FakeTask(2)), ("t3", _FakeTask(3))])
+    monkeypatch.setattr(worker, "_client", lambda component, token=None, retry=True: (
+        _FakeClient()))
+    monkeypatch.setattr(worker, "claim", lambda _client: next(answers))
+    flags = {}
+
+    def run_task(token, task_id):
+        flags[task_id] = worker._running = threading.Event()
+        try:
+            if task_id == 1:
+                worker.interrupt()  # what the SIGINT handler calls
+                return warm.TaskOutcome(task_id, 5, "failed", 0.0)
+            if task_id == 2:
+                raise RuntimeError("the node went away")
+            return warm.TaskOutcome(task_id, 5, "completed", 0.0)
+        finally:
+            worker._running = None
+
+    monkeypatch.setattr(worker, "run_task", run_task)
+    outcomes = worker.serve(max_tasks=3)
+    assert [(o.task_id, o.status) for o in outcomes] == [(1, "failed"), (2, "failed"),
+                                                          (3, "completed")]
+    assert flags[1].is_set() and not flags[3].is_set()
+    assert "RuntimeError: the node went away" in outcomes[1].details
+    assert not worker._stop.is_set()
+    worker.interrupt()  # between tasks, SIGINT (Ctrl-C) stops the worker
+    assert worker._stop.is_set()
+
+
 def test_stop_ends_an_idle_worker_promptly(monkeypatch):
     worker = WarmClientAppWorker("127.0.0.1:1", poll_seconds=0.05)
     monkeypatch.setattr(worker, "_client", lambda component, token=None, retry=True: _FakeClient())

@@ -20,8 +20,11 @@ That is why it runs only on the Flower version it was written against
 
 What differs from Flower's per-message process:
 
-- A task's heartbeat that the SuperNode answers with "task no longer valid" ends that
-  task (its reply is dropped), not the worker; Flower's process raises SIGINT.
+- A task's heartbeat that the SuperNode answers with "task no longer valid", or a
+  token it refuses (Flower's client then sends its own process SIGINT), ends that
+  task (its reply is dropped), not the worker; Flower's process exits instead, and
+  the SuperNode starts a new one for the next message. SIGTERM, or SIGINT between
+  tasks, stops the worker.
 - A ClientApp is loaded once per FAB hash. A run with a different FAB (new app code)
   gets a fresh load of the FAB's modules; the library installed on the node
   (``fedcomp``) is the one this worker imported.
@@ -102,6 +105,8 @@ class WarmClientAppWorker:
     _apps: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     _fab_modules: dict[str, set[str]] = field(default_factory=dict, init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    #: The running task's "abandon" flag (None between tasks): see :meth:`interrupt`.
+    _running: threading.Event | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         check_flower_version()
@@ -196,6 +201,7 @@ class WarmClientAppWorker:
         started = time.perf_counter()
         client = self._client("flwr-clientapp", token)
         abandoned = threading.Event()
+        self._running = abandoned
 
         def heartbeat() -> bool:
             import httpx
@@ -240,11 +246,15 @@ class WarmClientAppWorker:
             except Exception:  # the node may be gone: logged, not raised
                 logger.exception("could not push the reply")
                 status, details = SubStatus.FAILED, "could not push the reply"
-            push_task_output(client=client, context=context, sub_status=status,
-                             details=details)
+            try:
+                push_task_output(client=client, context=context, sub_status=status,
+                                 details=details)
+            except Exception:  # a revoked token or a node that is gone: not the worker's end
+                logger.exception("could not report the task's status")
             if beats.is_running:
                 beats.stop()
             client.close()
+            self._running = None
         return TaskOutcome(task_id=task_id, run_id=run_id, status=str(status),
                            seconds=time.perf_counter() - started, details=details)
 
@@ -262,6 +272,24 @@ class WarmClientAppWorker:
     # -- the loop ---------------------------------------------------------------------
     def stop(self) -> None:
         self._stop.set()
+
+    def interrupt(self) -> None:
+        """SIGINT: drop the running task, or stop when idle.
+
+        Flower's Runtime API client signals its own process with SIGINT when the
+        SuperNode refuses a task's token (HTTP 401: the task was revoked, e.g. after
+        late heartbeats on an overloaded machine); its per-message process then exits
+        and the SuperNode starts another for the next message. Here one process serves
+        every message, so the revoked task is dropped (no reply is pushed) and the
+        worker goes on; a SIGINT between tasks (Ctrl-C) stops it.
+        """
+        running = self._running
+        if running is None:
+            self.stop()
+            return
+        running.set()
+        logger.warning("the SuperNode revoked the running task (SIGINT from Flower's "
+                       "client): its reply is dropped, the worker goes on")
 
     def serve(self, max_tasks: int | None = None) -> list[TaskOutcome]:
         """Claim and run tasks until :meth:`stop` (or ``max_tasks`` tasks ran).
@@ -288,7 +316,12 @@ class WarmClientAppWorker:
                     self._stop.wait(self.poll_seconds)
                     continue
                 token, task = claimed
-                outcome = self.run_task(token, task.task_id)
+                try:
+                    outcome = self.run_task(token, task.task_id)
+                except Exception as exc:  # one task's trouble never ends the worker
+                    logger.exception("task %d could not be run", task.task_id)
+                    outcome = TaskOutcome(task_id=task.task_id, run_id=-1, status="failed",
+                                          seconds=0.0, details=f"{type(exc).__name__}: {exc}")
                 logger.info("task %d (run %d): %s in %.2f s%s", outcome.task_id,
                             outcome.run_id, outcome.status, outcome.seconds,
                             f" ({outcome.details})" if outcome.details else "")
@@ -367,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         from flwr.supercore.app_utils import start_parent_process_monitor
 
         start_parent_process_monitor(args.parent_pid)
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: worker.stop())
+    signal.signal(signal.SIGTERM, lambda *_: worker.stop())
+    signal.signal(signal.SIGINT, lambda *_: worker.interrupt())
     worker.serve()
     return 0
 
