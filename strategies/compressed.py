@@ -112,13 +112,14 @@ class CompressedFedAvg(FedAvg):
         super().__init__(fraction_train=1.0, fraction_evaluate=0.0,
                          min_train_nodes=1, min_available_nodes=1)
         self.cfg = cfg
-        cfg.check_budgets(initial)  # before round 1, naming the smallest payload
+        shapes = {name: tuple(value.shape) for name, value in initial.items()}
+        cfg.check_budgets(shapes)  # before round 1, naming the smallest payload
         self.state = ServerState(
             downlink=make_downlink(cfg.downlink_mode, initial, cfg.downlink_policy,
                                    history=cfg.downlink_history, seed=cfg.seed,
                                    shared_init=cfg.shared_init,
                                    forget_after=cfg.downlink_forget_after,
-                                   budget=cfg.downlink_budget_bytes(initial)),
+                                   budget=cfg.downlink_budget_bytes(shapes)),
             optimizer=ServerOptimizer(
                 cfg.server_optimizer, lr=cfg.server_lr, momentum=cfg.server_momentum,
                 beta1=cfg.server_beta1, beta2=cfg.server_beta2, tau=cfg.server_tau,

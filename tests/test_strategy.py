@@ -224,3 +224,42 @@ def test_wire_counters_become_bytes_per_round_less_the_payloads_that_crossed(mak
     failed = Message(Error(code=0, reason="boom"), reply_to=messages[0])
     strategy.aggregate_train(3, [failed, _reply(messages[1], strategy, 3, 12)])
     assert strategy.stats[3].record.wire_nodes == 0
+
+
+def test_budgeted_replies_are_decoded_and_their_choices_recorded(make_strategy):
+    """With byte budgets both ways: the strategy starts (the budgets fit this model),
+    sends downlink payloads within its budget, decodes uplink payloads made within
+    the uplink budget and records each client's Top-K share; a budget below the
+    model's smallest payload is refused before round 1."""
+    import pytest
+
+    from fedcomp.codecs.policy import encode_within_budget
+    from fedcomp.errors import SpecError
+
+    strategy = make_strategy(uplink_budget="1200B", downlink_budget="1500B",
+                             downlink_codec="topk:ratio=0.1|quant:bits=4",
+                             downlink_mode="per-client")
+    assert strategy.cfg.uplink_policy.family_for(SHAPES["w"], "w") is not None
+    messages = list(strategy.configure_train(1, None, ConfigRecord(),
+                                             QueryingGrid([11, 12, 13])))
+    replies = []
+    for message in messages:
+        node = message.metadata.dst_node_id
+        downlink = train_parts(message.content)[1]
+        assert downlink.kind == "catchup" and downlink.nbytes <= 1500
+        rng = np.random.default_rng(node)
+        delta = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        update = encode_within_budget(delta, strategy.cfg.uplink_policy, 1200, rng=rng,
+                                      meta={"round": 1})
+        assert update.nbytes <= 1200
+        content = reply_content(update.payload, strategy.broadcaster.digest_for(
+            strategy._recipient(node)), {"num-examples": 10.0, "partition-id": float(node)})
+        replies.append(Message(content=content, reply_to=message))
+    strategy.aggregate_train(1, replies)
+    stats = strategy.stats[1]
+    assert stats.record.clients_ok == 3 and stats.record.rejected == 0
+    assert 0 < stats.record.uplink_density < 1
+    assert stats.record.uplink_tensor_density.startswith("w=")
+    assert all(0 < m["uplink-density"] < 1 for m in stats.client_metrics.values())
+    with pytest.raises(SpecError, match="smallest payload"):
+        make_strategy(uplink_budget="20B")
