@@ -28,6 +28,7 @@ import argparse
 import csv
 import itertools
 import json
+import math
 import os
 import re
 import socket
@@ -302,8 +303,10 @@ def main() -> None:
             "per_round_median": dict(zip(
                 ("wire_up", "payload_up", "protocol_up", "wire_down", "payload_down",
                  "protocol_down"), protocol[mode], strict=True)),
+            # None (JSON null) where no node reported: NaN is not JSON.
             "recorded_per_round_median": dict(zip(
-                ("wire_up", "protocol_up", "wire_down", "protocol_down"), product[mode],
+                ("wire_up", "protocol_up", "wire_down", "protocol_down"),
+                (None if math.isnan(value) else value for value in product[mode]),
                 strict=True)),
             "wire_per_round": {str(k): v for k, v in result["wire_per_round"].items()},
             "wire": {str(k): v for k, v in result["wire"].items()}}
