@@ -349,10 +349,15 @@ class RunConfig:
             # A little room over the floor: real updates code a few bytes either way.
             need = int(floor * 1.05) + 16
             if budget.payload_bytes(numel) < need:
+                fixed = [name for name, shape in shapes.items()
+                         if policy.family_for(tuple(shape), name) is None]
+                rest = (f"{len(fixed)} other tensors in their own codecs (e.g. "
+                        f"{self.small_codec!r} under min-numel {self.min_numel})"
+                        if fixed else "no other tensor")
                 raise SpecError(
                     f"run config {key!r} {budget.describe(numel)} is below the smallest "
                     f"payload of this model: {need:,} bytes (one Top-K entry per budgeted "
-                    f"tensor, the small tensors in {self.small_codec!r}); use at most "
+                    f"tensor, {rest}); use at most "
                     f"'{int(4 * numel / need)}x' or at least '{8 * need / numel:.4f}bpp'")
 
     @property

@@ -225,8 +225,12 @@ def test_run_config_refuses_bad_budgets(values, fragment):
 def test_run_config_refuses_a_budget_below_the_model_floor_naming_what_fits():
     cfg = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE})
     with pytest.raises(SpecError, match=r"smallest payload of this model: [\d,]+ bytes.*"
-                                        r"use at most '\d+x'"):
+                                        r"2 other tensors.*use at most '\d+x'"):
         cfg.check_budgets(SHAPES)
+    every = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE,
+                                    "min-numel": 0})
+    with pytest.raises(SpecError, match="no other tensor"):
+        every.check_budgets(SHAPES)
     RunConfig.from_mapping({"uplink-budget": "200x"}).check_budgets(SHAPES)
     with pytest.raises(SpecError, match="'downlink-budget'"):
         RunConfig.from_mapping({"downlink-budget": "100000x"}).check_budgets(SHAPES)
