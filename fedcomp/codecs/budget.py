@@ -36,9 +36,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -205,9 +204,7 @@ def value_bits(template: Pipeline) -> float:
 
 def _log2_binomial(n: int, k: np.ndarray) -> np.ndarray:
     """``log2 C(n, k)`` for an array of ``k`` (the position bits at the entropy bound)."""
-    from math import lgamma
-
-    ln2 = math.log(2)
+    lgamma, ln2 = math.lgamma, math.log(2)
     return np.array([(lgamma(n + 1) - lgamma(int(i) + 1) - lgamma(n - int(i) + 1)) / ln2
                      for i in k], dtype=np.float64)
 
@@ -297,16 +294,8 @@ def allocate_counts(tensors: Mapping[str, np.ndarray], bits_per_value: float,
     return {name: int(curves[name].counts[i]) for name, i in best.items()}
 
 
-def fit_scale(sizes: Sequence[tuple[float, int]], budget: int) -> float:
-    """The next scale of the estimated budget to try, from (scale, bytes) tried so far.
-
-    Assumes bytes roughly proportional to the scale and aims just under the budget.
-    """
-    scale, size = sizes[-1]
+def fit_scale(scale: float, size: int, budget: int) -> float:
+    """The next scale of the estimated budget to try after ``scale`` made ``size``
+    bytes: assumes bytes roughly proportional to the scale and aims just under the
+    budget."""
     return scale * 0.985 * budget / max(size, 1)
-
-
-def describe_counts(counts: Mapping[str, int], shapes: Mapping[str, Any]) -> str:
-    """``name=density`` for each budgeted tensor (for logs)."""
-    return ", ".join(f"{name}={k / max(math.prod(shapes[name]), 1):.4%}"
-                     for name, k in counts.items())

@@ -240,11 +240,18 @@ class BudgetError(ValueError):
 
 @dataclass
 class BudgetedUpdate(EncodedUpdate):
-    """An update encoded within a byte budget, with the counts it chose."""
+    """An update encoded within a byte budget, with the Top-K counts it chose."""
 
     counts: dict[str, int] = field(default_factory=dict)
-    budget: int = 0
-    attempts: int = 0
+
+
+def _encode_counts(tensors: Mapping[str, Any], policy: CompressionPolicy,
+                   counts: Mapping[str, int], *, rng: np.random.Generator,
+                   meta: Mapping[str, Any] | None) -> EncodedUpdate:
+    """``tensors`` encoded with each budgeted tensor keeping ``counts[name]`` entries."""
+    return encode_update(tensors, policy, rng=rng, meta=meta, pipelines={
+        name: policy.family_for(tensors[name].shape, name).with_count(k)
+        for name, k in counts.items()})
 
 
 def encode_within_budget(
@@ -274,27 +281,23 @@ def encode_within_budget(
     memory = feedback if feedback is not None else NoFeedback()
     start = time.perf_counter()
     compensated = memory.compensate(tensors)
-    families = {name: policy.family_for(value.shape, name)
-                for name, value in compensated.items()}
-    budgeted = {name: compensated[name] for name, family in families.items() if family}
-    bits = value_bits(policy.pipeline_for((policy.min_numel,)))
-    tried: list[tuple[float, int]] = []
+    families = {name: family for name, value in compensated.items()
+                if (family := policy.family_for(value.shape, name)) is not None}
+    budgeted = {name: compensated[name] for name in families}
+    bits = value_bits(next(iter(families.values())).template) if families else 32.0
     best: tuple[EncodedUpdate, dict[str, int]] | None = None
     scale = 1.0
     for _ in range(MAX_ATTEMPTS):
         counts = allocate_counts(budgeted, bits, 8.0 * budget * scale)
-        update = encode_update(compensated, policy, rng=rng, meta=meta, pipelines={
-            name: families[name].with_count(k) for name, k in counts.items()})
-        tried.append((scale, update.nbytes))
+        update = _encode_counts(compensated, policy, counts, rng=rng, meta=meta)
         if update.nbytes <= budget and (best is None or update.nbytes > best[0].nbytes):
             best = (update, counts)
         if best is not None and best[0].nbytes >= 0.97 * budget:
             break
-        scale = fit_scale(tried, budget)
+        scale = fit_scale(scale, update.nbytes, budget)
     if best is None:
-        counts = {name: 1 for name in budgeted}
-        update = encode_update(compensated, policy, rng=rng, meta=meta, pipelines={
-            name: families[name].with_count(1) for name in budgeted})
+        counts = dict.fromkeys(budgeted, 1)
+        update = _encode_counts(compensated, policy, counts, rng=rng, meta=meta)
         if update.nbytes > budget:
             raise BudgetError(f"a byte budget of {budget:,} bytes is below the smallest "
                               f"payload of this model ({update.nbytes:,} bytes)")
@@ -303,7 +306,7 @@ def encode_within_budget(
     memory.keep({name: compensated[name] - np.asarray(update.decoded[name], dtype=np.float32)
                  for name in compensated})
     return BudgetedUpdate(update.payload, update.decoded, time.perf_counter() - start,
-                          update.numel, counts=counts, budget=budget, attempts=len(tried))
+                          update.numel, counts=counts)
 
 
 def minimum_payload_bytes(policy: CompressionPolicy,
@@ -314,13 +317,9 @@ def minimum_payload_bytes(policy: CompressionPolicy,
     rng = np.random.default_rng(0)
     update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
               for name, shape in shapes.items()}
-    pipelines = {}
-    for name, shape in shapes.items():
-        family = policy.family_for(tuple(shape), name)
-        if family is not None:
-            pipelines[name] = family.with_count(1)
-    return encode_update(update, policy, rng=rng, meta={"round": 0},
-                         pipelines=pipelines).nbytes
+    ones = {name: 1 for name, shape in shapes.items()
+            if policy.family_for(tuple(shape), name) is not None}
+    return _encode_counts(update, policy, ones, rng=rng, meta={"round": 0}).nbytes
 
 
 def encoder_fingerprint(policies: Sequence[CompressionPolicy],

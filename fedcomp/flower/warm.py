@@ -353,6 +353,7 @@ def _is_flwr_app_dir(entry: str) -> bool:
 def _meter(pid: int | None, superlink: str | None):
     """A started byte meter of the SuperNode's connections to the SuperLink, or None
     (no address given, or a host whose kernel does not report byte counts)."""
+    from fedcomp.ops.deploy import parse_address
     from fedcomp.ops.netmeter import TcpByteMeter, meter_available
 
     if pid is None or superlink is None:
@@ -361,8 +362,7 @@ def _meter(pid: int | None, superlink: str | None):
         logger.warning("this host's kernel does not report TCP byte counts: the node's "
                        "wire bytes are not recorded")
         return None
-    port = int(superlink.rpartition(":")[2])
-    return TcpByteMeter(pid, port).start()
+    return TcpByteMeter(pid, parse_address(superlink)[1]).start()
 
 
 def main(argv: list[str] | None = None) -> int:
