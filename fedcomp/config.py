@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcomp.codecs.budget import parse_budget
+from fedcomp.codecs.budget import VALUE_CHOICES, parse_budget
 from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.policy import (
     CompressionPolicy,
@@ -110,6 +110,7 @@ class RunConfig:
     downlink_codec: str = "topk:ratio=0.08|quant:bits=4"
     downlink_codec_overrides: str = ""
     downlink_budget: str = ""
+    budget_values: str = "auto"
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
     downlink_forget_after: int = 0
@@ -278,13 +279,20 @@ class RunConfig:
             raise SpecError("run config 'uplink-budget' cannot be combined with dp = "
                             "'client' or 'shared-randk' (they code a transformed update "
                             "whose bytes the budget does not yet allocate)")
+        if self.budget_values not in ("auto", "codec"):
+            raise SpecError(f"run config 'budget-values' must be 'auto' (each budgeted "
+                            f"tensor's value coding chosen from {', '.join(VALUE_CHOICES)}) "
+                            f"or 'codec' (the codec's own), got {self.budget_values!r}")
+        values = VALUE_CHOICES if self.budget_values == "auto" else ()
         policies = []
         for (codec_key, codec), budget, pairs in zip(
                 (("codec", self.codec), ("downlink-codec", self.downlink_codec)),
                 budgets, overrides, strict=True):
             try:
-                policies.append(CompressionPolicy(codec, self.small_codec, self.min_numel,
-                                                  pairs, budgeted=budget is not None))
+                policies.append(CompressionPolicy(
+                    codec, self.small_codec, self.min_numel, pairs,
+                    budgeted=budget is not None,
+                    budget_values=values if budget is not None else ()))
             except SpecError as exc:
                 side = "uplink" if codec_key == "codec" else "downlink"
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"
@@ -351,13 +359,12 @@ class RunConfig:
             if budget.payload_bytes(numel) < need:
                 fixed = [name for name, shape in shapes.items()
                          if policy.family_for(tuple(shape), name) is None]
-                rest = (f"{len(fixed)} other tensors in their own codecs (e.g. "
-                        f"{self.small_codec!r} under min-numel {self.min_numel})"
-                        if fixed else "no other tensor")
+                rest = (f"{len(fixed)} tensors in their override codecs" if fixed
+                        else "no other tensor")
                 raise SpecError(
                     f"run config {key!r} {budget.describe(numel)} is below the smallest "
-                    f"payload of this model: {need:,} bytes (one Top-K entry per budgeted "
-                    f"tensor, {rest}); use at most "
+                    f"payload of this model: {need:,} bytes (one Top-K entry for each of "
+                    f"{len(shapes) - len(fixed)} tensors, {rest}); use at most "
                     f"'{int(4 * numel / need)}x' or at least '{8 * need / numel:.4f}bpp'")
 
     @property

@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedcomp.codecs.budget import (
+    VALUE_CHOICES,
+    Allocator,
+    Choice,
     TopKFamily,
-    allocate_counts,
+    ValueModel,
     candidate_counts,
-    estimated_bits,
+    next_target,
     parse_budget,
     value_bits,
 )
@@ -38,6 +41,10 @@ SHAPES = {"conv1.weight": (32, 1, 3, 3), "conv1.bias": (32,), "conv2.weight": (6
 NUMEL = sum(math.prod(s) for s in SHAPES.values())
 TEMPLATE = "topk:ratio=0.01|ternary:mode=mean"
 POLICY = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True)
+AUTO = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
+                         budget_values=VALUE_CHOICES)
+TERNARY = ValueModel.of(Pipeline.parse(TEMPLATE).stages[1:])
+MODELS = [ValueModel.of(Pipeline.parse(spec).stages) for spec in VALUE_CHOICES]
 
 
 def _update(seed: int, scales: dict[str, float] | None = None) -> dict[str, np.ndarray]:
@@ -86,6 +93,21 @@ def test_the_family_admits_its_template_at_every_count_and_nothing_else(k):
         assert family.match(other) is None, other
 
 
+@given(st.integers(1, 500), st.integers(0, len(VALUE_CHOICES) - 1))
+def test_a_family_with_value_codings_admits_each_of_them_and_no_other(k, index):
+    family = TopKFamily(Pipeline.parse(TEMPLATE), 500, VALUE_CHOICES)
+    member = family.with_choice(k, index)
+    assert member.spec.endswith(Pipeline.parse(VALUE_CHOICES[index]).spec)
+    assert family.match(member.spec).spec == member.spec
+    for other in (f"topk:ratio=0.01,k={k}|quant:bits=3", f"topk:ratio=0.01,k={k}|fp16",
+                  f"topk:ratio=0.01,k={k}|quant:bits=4,chunk=64",
+                  f"topk:ratio=0.01,k={k}|quant:bits=4|zstd", f"topk:ratio=0.01,k={k}",
+                  f"topk:ratio=0.01,k={k}|ternary:mode=stochastic"):
+        assert family.match(other) is None, other
+    with pytest.raises(ValueError, match="value coding"):
+        family.with_choice(k, len(VALUE_CHOICES))
+
+
 def test_a_budget_needs_an_exact_top_k_first():
     for spec in ("quant:bits=4", "randk:ratio=0.01|quant:bits=4",
                  "topk:ratio=0.01,approx=true|quant:bits=4"):
@@ -95,44 +117,120 @@ def test_a_budget_needs_an_exact_top_k_first():
 
 def test_value_bits_follow_the_value_codec():
     assert value_bits(Pipeline.parse("topk|quant:bits=4")) == 4
-    assert value_bits(Pipeline.parse("topk|ternary")) == pytest.approx(math.log2(3))
+    assert value_bits(Pipeline.parse("topk|ternary:mode=mean")) == 1  # no zero after Top-K
+    assert value_bits(Pipeline.parse("topk|ternary")) == pytest.approx(1.6)
     assert value_bits(Pipeline.parse("topk|fp16")) == 16
     assert value_bits(Pipeline.parse("topk")) == 32
 
 
+def _kept_energy_measured(values: np.ndarray, k: int, tail: str, seed: int) -> float:
+    """Energy of the k largest entries less the squared error of coding them (in
+    the order of their positions, as Top-K hands them on)."""
+    kept = values[np.sort(np.argsort(-np.abs(values))[:k])]
+    decoded = Pipeline.parse(tail).decode(
+        Pipeline.parse(tail).encode(kept, rng=np.random.default_rng(seed)),
+        max_numel=kept.size)
+    return float(np.sum(kept.astype(np.float64) ** 2)
+                 - np.sum((kept.astype(np.float64) - decoded) ** 2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 3000))
+def test_the_ternary_model_is_exact_and_the_uniform_one_near_the_measured_error(seed, k):
+    rng = np.random.default_rng(seed)
+    values = (rng.standard_normal(5000) * np.exp(rng.standard_normal(5000))).astype(np.float32)
+    ordered = np.sort(np.abs(values).astype(np.float64))[::-1]
+    counts = np.array([k])
+    assert TERNARY.kept_energy(ordered, counts)[0] == pytest.approx(
+        _kept_energy_measured(values, k, "ternary:mode=mean", seed), rel=1e-4)
+    for bits in (2, 4):
+        model = ValueModel.of(Pipeline.parse(f"quant:bits={bits}").stages)
+        lost = ordered[:k] @ ordered[:k] - model.kept_energy(ordered, counts)[0]
+        measured = np.mean([ordered[:k] @ ordered[:k]
+                            - _kept_energy_measured(values, k, f"quant:bits={bits}", s)
+                            for s in range(8)])
+        # The model takes a chunk's range from the values' ranks, not their order: a
+        # factor, not a digit, is what it must get right to rank the codings.
+        rounding = 1e-6 * (ordered[:k] @ ordered[:k])  # float32 decoding of exact values
+        assert measured / 4 - rounding <= lost <= measured * 4 + rounding, (bits, lost,
+                                                                              measured)
+
+
 # ---------------------------------------------------------------------------- allocation
+def _models(tensors, policy=AUTO):
+    return {name: policy.family_for(value.shape, name).models for name, value in tensors.items()}
+
+
 @settings(max_examples=40, deadline=None)
-@given(st.integers(0, 10_000), st.floats(200, 200_000))
-def test_the_allocation_fits_the_estimate_and_is_pure(seed, budget_bits):
-    tensors = {k: v for k, v in _update(seed).items() if v.size >= 1024}
-    counts = allocate_counts(tensors, 1.6, budget_bits)
-    assert counts == allocate_counts(tensors, 1.6, budget_bits)
-    assert set(counts) == set(tensors)
-    total = sum(float(estimated_bits(tensors[n].size, np.array([k]), 1.6)[0])
-                for n, k in counts.items())
-    floor = sum(float(estimated_bits(v.size, np.array([1]), 1.6)[0]) for v in tensors.values())
-    assert total <= max(budget_bits, floor) + 1e-6
-    for name, k in counts.items():
-        assert k in candidate_counts(tensors[name].size)
+@given(st.integers(0, 10_000), st.floats(200, 200_000), st.sampled_from([POLICY, AUTO]))
+def test_the_allocation_fits_the_estimate_and_is_pure(seed, budget_bits, policy):
+    tensors = _update(seed)
+    models = _models(tensors, policy)
+    allocator = Allocator(tensors, models)
+    choices = allocator.allocate(budget_bits)
+    assert choices == Allocator(tensors, models).allocate(budget_bits)
+    assert set(choices) == set(tensors)
+
+    def bits(name: str, choice: Choice) -> float:
+        return float(models[name][choice.values].cost_bits(tensors[name].size,
+                                                            np.array([choice.count]))[0])
+
+    total = sum(bits(n, c) for n, c in choices.items())
+    assert total <= max(budget_bits, allocator.floor_bits()) + 1e-6
+    for name, choice in choices.items():
+        assert choice.count in candidate_counts(tensors[name].size)
+        assert 0 <= choice.values < len(models[name])
 
 
 def test_more_energy_earns_more_entries_and_a_larger_budget_never_fewer():
     base = _update(0)
     tensors = {"a": base["fc1.weight"], "b": base["fc1.weight"][::-1].copy() * 10}
-    counts = allocate_counts(tensors, 1.6, 20_000)
-    assert counts["b"] > counts["a"]
-    totals = [sum(allocate_counts(tensors, 1.6, bits).values())
+    allocator = Allocator(tensors, {"a": [TERNARY], "b": [TERNARY]})
+    choices = allocator.allocate(20_000)
+    assert choices["b"].count > choices["a"].count
+    totals = [sum(c.count for c in allocator.allocate(bits).values())
               for bits in (2_000, 8_000, 32_000, 128_000)]
     assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+def test_alike_values_get_one_sign_bit_and_spread_values_more_bits():
+    """Ternary codes values of one magnitude exactly, so no budget buys them more
+    bits; values spread over orders of magnitude lose most of their energy to one
+    mean, so a budget that can afford it codes them in more bits."""
+    rng = np.random.default_rng(0)
+    alike = np.where(rng.random(4096) < 0.5, -1.0, 1.0).astype(np.float32)
+    spread = (rng.standard_normal(4096) * np.exp(2 * rng.standard_normal(4096))
+              ).astype(np.float32)
+    for bits in (500.0, 5_000.0, 50_000.0):
+        assert Allocator({"a": alike}, {"a": MODELS}).allocate(bits)["a"].values == 0
+    rich = Allocator({"s": spread}, {"s": MODELS}).allocate(40_000.0)["s"]
+    assert VALUE_CHOICES[rich.values] != "ternary:mode=mean"
+
+
+def test_the_next_target_corrects_a_fixed_miss_then_follows_the_secant():
+    # Estimate 8,000 bits made 1,400 bytes of a 1,000-byte budget: aim at 985 bytes.
+    first = next_target([(8000.0, 1400)], 1000)
+    assert first == pytest.approx(8000 - 8 * 415)
+    # Bytes = 200 + estimate / 10: the secant through two tries lands on the aim.
+    tries = [(8000.0, 1000), (4000.0, 600)]
+    assert next_target(tries, 1000) == pytest.approx((985 - 200) * 10)
+    # A try that shrank as the estimate grew is no slope: back to the miss.
+    assert next_target([(8000.0, 900), (9000.0, 800)], 1000) == pytest.approx(
+        9000 + 8 * 185)
+    # Tries on both sides of the aim: the chord between the closest of each side.
+    tries = [(1000.0, 500), (5000.0, 1200), (3000.0, 900), (4000.0, 1100)]
+    assert 3000 < next_target(tries, 1000) < 4000
 
 
 # ---------------------------------------------------------------------------- encoding
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from(["100x", "300x", "1000x", "3000x"]),
        st.sampled_from([TEMPLATE, "topk:ratio=0.01|quant:bits=4",
-                        "topk:ratio=0.01|quant:bits=2|zstd"]))
-def test_a_budgeted_payload_never_exceeds_the_budget_and_decodes_strictly(seed, text, spec):
-    policy = CompressionPolicy(spec, "quant:bits=8", 1024, budgeted=True)
+                        "topk:ratio=0.01|quant:bits=2|zstd"]), st.booleans())
+def test_a_budgeted_payload_never_exceeds_the_budget_and_decodes_strictly(seed, text, spec,
+                                                                          auto):
+    policy = CompressionPolicy(spec, "quant:bits=8", 1024, budgeted=True,
+                               budget_values=VALUE_CHOICES if auto else ())
     budget = parse_budget(text).payload_bytes(NUMEL)
     memory = ErrorFeedback(policy.description)
     for server_round in range(3):
@@ -147,8 +245,24 @@ def test_a_budgeted_payload_never_exceeds_the_budget_and_decodes_strictly(seed, 
         decoded = unpack_payload(update.payload, expected=policy.expected(SHAPES))
         for name, value in decoded.tensors.items():
             np.testing.assert_array_equal(value, np.asarray(update.decoded[name]))
-            if policy.family_for(SHAPES[name], name) is not None:
-                assert np.count_nonzero(value) <= update.counts[name]
+            assert policy.family_for(SHAPES[name], name) is not None  # every tensor
+            assert np.count_nonzero(value) <= update.choices[name].count
+            assert decoded.pipelines[name].spec == policy.family_for(
+                SHAPES[name], name).with_choice(update.choices[name].count,
+                                                update.choices[name].values).spec
+
+
+@pytest.mark.parametrize("text", ["100x", "300x", "1000x"])
+def test_the_payload_spends_nearly_all_of_the_budget(text):
+    """Headers and scales do not scale with the allocation: a fit that only rescales
+    the estimate lands far under a small budget. (At twice the floor and less, one
+    more entry may cost more than is left: no fraction is promised there.)"""
+    budget = parse_budget(text).payload_bytes(NUMEL)
+    assert budget > 2 * minimum_payload_bytes(AUTO, SHAPES)
+    for seed in range(6):
+        update = encode_within_budget(_update(seed), AUTO, budget,
+                                      rng=np.random.default_rng(seed), meta={"round": 1})
+        assert 0.9 * budget <= update.nbytes <= budget, (text, seed, update.nbytes, budget)
 
 
 def test_error_feedback_keeps_exactly_what_the_budget_did_not_send():
@@ -191,10 +305,13 @@ def test_a_starved_tensor_is_sent_more_as_its_residual_grows():
 
 
 def test_a_budget_below_the_smallest_payload_is_refused():
-    floor = minimum_payload_bytes(POLICY, SHAPES)
-    assert 0 < floor < 4 * NUMEL
-    with pytest.raises(BudgetError, match="smallest payload"):
-        encode_within_budget(_update(0), POLICY, floor // 2, rng=np.random.default_rng(0))
+    for policy in (POLICY, AUTO):
+        floor = minimum_payload_bytes(policy, SHAPES)
+        assert 0 < floor < 4 * NUMEL
+        with pytest.raises(BudgetError, match="smallest payload"):
+            encode_within_budget(_update(0), policy, floor // 2, rng=np.random.default_rng(0))
+        encode_within_budget(_update(0), policy, int(floor * 1.05) + 16,
+                             rng=np.random.default_rng(0))
 
 
 def test_the_receiver_refuses_a_count_outside_the_tensor_or_another_value_codec():
@@ -202,7 +319,8 @@ def test_the_receiver_refuses_a_count_outside_the_tensor_or_another_value_codec(
     expected = POLICY.expected(SHAPES)
     too_many = TopKFamily(Pipeline.parse(TEMPLATE), 10**6)
     for pipeline in (too_many.with_count(20_000),  # conv2 has 18,432 entries
-                     Pipeline.parse("topk:ratio=0.01,k=5|ternary:mode=stochastic")):
+                     Pipeline.parse("topk:ratio=0.01,k=5|ternary:mode=stochastic"),
+                     Pipeline.parse("topk:ratio=0.01,k=5|quant:bits=4")):  # not in POLICY
         payload = encode_update(update, POLICY, rng=np.random.default_rng(0),
                                 meta={"round": 0},
                                 pipelines={"conv2.weight": pipeline}).payload
@@ -216,6 +334,7 @@ def test_the_receiver_refuses_a_count_outside_the_tensor_or_another_value_codec(
     ({"uplink-budget": "fast"}, "'uplink-budget'"),
     ({"uplink-budget": "500x", "codec": "quant:bits=4"}, "exact Top-K"),
     ({"uplink-budget": "500x", "shared-randk": 0.1}, "cannot be combined"),
+    ({"uplink-budget": "500x", "budget-values": "all"}, "'budget-values'.*'all'"),
 ])
 def test_run_config_refuses_bad_budgets(values, fragment):
     with pytest.raises(SpecError, match=fragment):
@@ -225,12 +344,13 @@ def test_run_config_refuses_bad_budgets(values, fragment):
 def test_run_config_refuses_a_budget_below_the_model_floor_naming_what_fits():
     cfg = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE})
     with pytest.raises(SpecError, match=r"smallest payload of this model: [\d,]+ bytes.*"
-                                        r"2 other tensors.*use at most '\d+x'"):
+                                        r"each of 5 tensors, no other tensor.*"
+                                        r"use at most '\d+x'"):
         cfg.check_budgets(SHAPES)
-    every = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE,
-                                    "min-numel": 0})
-    with pytest.raises(SpecError, match="no other tensor"):
-        every.check_budgets(SHAPES)
+    pinned = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE,
+                                     "codec-overrides": "conv1.*=quant:bits=8"})
+    with pytest.raises(SpecError, match="each of 3 tensors, 2 tensors in their override"):
+        pinned.check_budgets(SHAPES)
     RunConfig.from_mapping({"uplink-budget": "200x"}).check_budgets(SHAPES)
     with pytest.raises(SpecError, match="'downlink-budget'"):
         RunConfig.from_mapping({"downlink-budget": "100000x"}).check_budgets(SHAPES)
@@ -245,22 +365,27 @@ def test_the_server_reads_each_clients_choices_from_its_payload():
         update = encode_within_budget(_update(node), POLICY, budget,
                                       rng=np.random.default_rng(node), meta={"round": 4})
         replies.append(ClientReply(node, update.payload, 10.0))
-        sent[node] = update.counts
-    expected = POLICY.expected(SHAPES)
+        sent[node] = {name: (c.count, MODELS[c.values].bits)
+                      for name, c in update.choices.items()}
+    expected = AUTO.expected(SHAPES)
     result = aggregate_deltas(replies, expected, expected_meta={"round": 4})
     assert result.accepted == [1, 2, 3] and result.kept == sent
     record, metrics = RoundRecord(round=4), {1: {}, 2: {}, 3: {}}
     record_densities(result.kept, expected, record, metrics)
     budgeted = sum(math.prod(SHAPES[n]) for n in sent[1])
     for node in sent:
-        assert metrics[node]["uplink-density"] == pytest.approx(
-            sum(sent[node].values()) / budgeted)
+        entries = sum(k for k, _ in sent[node].values())
+        assert metrics[node]["uplink-density"] == pytest.approx(entries / budgeted)
+        assert metrics[node]["uplink-value-bits"] == pytest.approx(
+            sum(k * b for k, b in sent[node].values()) / entries)
     assert record.uplink_density == pytest.approx(
         np.mean([m["uplink-density"] for m in metrics.values()]))
+    assert record.uplink_value_bits == pytest.approx(
+        np.mean([m["uplink-value-bits"] for m in metrics.values()]))
     shares = dict(item.split("=") for item in record.uplink_tensor_density.split(";"))
     assert set(shares) == set(sent[1])
     assert float(shares["fc1.weight"]) == pytest.approx(
-        np.mean([s["fc1.weight"] for s in sent.values()]) / (128 * 784), rel=1e-5)
+        np.mean([s["fc1.weight"][0] for s in sent.values()]) / (128 * 784), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- downlink
@@ -269,7 +394,7 @@ def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode)
     from fedcomp.federated.downlink import Recipient, Replica, make_downlink, model_digest
 
     policy = CompressionPolicy("topk:ratio=0.01|quant:bits=4", "quant:bits=8", 1024,
-                               budgeted=True)
+                               budgeted=True, budget_values=VALUE_CHOICES)
     rng = np.random.default_rng(3)
     initial = _update(50)
     budget = parse_budget("300x").payload_bytes(NUMEL)

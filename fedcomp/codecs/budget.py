@@ -7,25 +7,31 @@ number, the payload size (``"500x"`` fewer bytes than the fp32 update, ``"0.06bp
 bits per parameter, or ``"4kB"``), and the encoder splits it among the tensors every
 round from what it is about to send:
 
-* **what each choice is worth**: the energy (sum of squares) of the ``k`` largest
-  entries of each tensor's compensated update (the delta plus its error-feedback
-  residual). A tensor whose residual has grown because it sent little before is
-  worth more now, so no tensor starves for good;
-* **what it costs**: ``k`` values at the value codec's bits plus the positions,
-  ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding is near;
-* **the split**: rate-distortion water-filling. For a price ``lam`` every tensor
-  takes the count that maximises ``energy - lam * bits``; ``lam`` is bisected until
-  the estimated total fits, and what is left is handed out in steps of best energy
-  per bit (:func:`allocate_counts`).
+* **the choices**: a count ``k`` of entries (Top-K) and a value coding for them,
+  from one sign bit per value and one scale (STC's ternary) to 8-bit uniform steps
+  (:data:`VALUE_CHOICES`);
+* **what each choice is worth**: the energy (sum of squares) its decoded values
+  keep of each tensor's compensated update (the delta plus its error-feedback
+  residual): that of the ``k`` largest entries less the value coding's error
+  (:class:`ValueModel`). A tensor whose residual has grown because it sent little
+  before is worth more now, so no tensor starves for good;
+* **what it costs**: ``k`` values at the value coding's bits, its scales, and the
+  positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
+  is near;
+* **the split**: rate-distortion water-filling (:class:`Allocator`). For a price
+  ``lam`` every tensor takes the choice that maximises ``energy - lam * bits``;
+  ``lam`` is bisected until the estimated total fits, and what is left is handed
+  out in steps of best energy per bit.
 
-The estimate is then checked against the real payload: :func:`encode_within_budget`
-encodes, measures the bytes, rescales and encodes again (at most
-:data:`MAX_ATTEMPTS` times) and sends the largest payload that fits. A payload above
-the budget is never sent.
+The estimate is then checked against the real payload:
+:func:`fedcomp.codecs.policy.encode_within_budget` encodes, measures the bytes,
+corrects the estimated total (:func:`next_target`) and encodes again (at most
+:data:`MAX_ATTEMPTS` times), and sends the largest payload that fits. A payload
+above the budget is never sent.
 
-The receiver cannot know the counts in advance, so a budgeted tensor is expected as
-a *family* (:class:`TopKFamily`): the user's pipeline with its Top-K keeping any
-``k`` in ``[1, n]``, every other parameter fixed. The count travels in the spec
+The receiver cannot know the choices in advance, so a budgeted tensor is expected
+as a *family* (:class:`TopKFamily`): the user's Top-K keeping any ``k`` in
+``[1, n]``, followed by any of the value codings. The choice travels in the spec
 string the payload carries anyway (a few bytes of its compressed header), and the
 server reads each client's choices from the payload it decodes: nothing extra is
 sent to report them.
@@ -36,8 +42,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -45,9 +52,9 @@ from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.sparsify import TopK, _count_from
 from fedcomp.errors import SpecError
 
-__all__ = ["DENSITY_GRID", "MAX_ATTEMPTS", "ByteBudget", "TopKFamily", "allocate_counts",
-           "candidate_counts", "estimated_bits", "parse_budget", "topk_count",
-           "value_bits"]
+__all__ = ["DENSITY_GRID", "MAX_ATTEMPTS", "VALUE_CHOICES", "Allocator", "ByteBudget",
+           "Choice", "TopKFamily", "ValueModel", "candidate_counts", "next_target",
+           "parse_budget", "topk_count", "value_bits"]
 
 #: Densities a tensor may be given (k = density * n, at least 1): quarter-octave steps
 #: from all entries down to 2^-16. Fine enough that rounding to the grid costs little,
@@ -61,6 +68,13 @@ MAX_ATTEMPTS = 6
 #: spec index and tree in the header, the value codec's scale): a rough constant, the
 #: measured payload corrects it.
 TENSOR_OVERHEAD_BITS = 64
+
+#: The value codings a budget chooses from for each tensor (``budget-values = "auto"``),
+#: from one sign bit and a scale per tensor (STC's ternary) to 8 bits per value: a
+#: tensor whose kept values differ widely gains from more bits, one whose values are
+#: alike from more entries.
+VALUE_CHOICES: tuple[str, ...] = ("ternary:mode=mean", "quant:bits=2", "quant:bits=4",
+                                  "quant:bits=8")
 
 _BUDGET = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(x|bpp|B|kB|KiB)\s*$")
 
@@ -132,9 +146,11 @@ def topk_count(pipeline: Pipeline, numel: int) -> int | None:
 class TopKFamily:
     """Every pipeline a budgeted tensor of ``numel`` entries may arrive in.
 
-    The template with its Top-K keeping ``k`` entries, ``1 <= k <= numel``; every
-    other parameter of every stage as in the template. :meth:`match` is the
-    receiver's check of a spec string from an untrusted payload.
+    The template's Top-K keeping ``k`` entries, ``1 <= k <= numel`` (every other
+    Top-K parameter as in the template), followed by one of ``values`` (value codings
+    as spec strings, e.g. :data:`VALUE_CHOICES`), or by the template's own stages
+    when ``values`` is empty. :meth:`match` is the receiver's check of a spec string
+    from an untrusted payload.
 
     Raises
     ------
@@ -142,7 +158,8 @@ class TopKFamily:
         If the template's first stage is not an exact Top-K.
     """
 
-    def __init__(self, template: Pipeline, numel: int) -> None:
+    def __init__(self, template: Pipeline, numel: int,
+                 values: Sequence[str] = ()) -> None:
         first = template.stages[0]
         if not isinstance(first, TopK) or first.approx:
             raise SpecError(f"a byte budget needs a codec that starts with an exact Top-K "
@@ -150,18 +167,31 @@ class TopKFamily:
                             f"{template.spec!r}")
         self.template = template
         self.numel = int(numel)
-        self._rest = [stage.get_config() for stage in template.stages[1:]]
+        tails = [tuple(Pipeline.parse(spec).stages) for spec in values] if values else [
+            tuple(template.stages[1:])]
+        #: The value codings a kept entry may take: stage lists after the Top-K.
+        self.tails: tuple[tuple[Any, ...], ...] = tuple(tails)
+        #: Their cost and distortion models, in the same order.
+        self.models: tuple[ValueModel, ...] = tuple(ValueModel.of(tail) for tail in tails)
+        self._configs = [[stage.get_config() for stage in tail] for tail in tails]
         self._first = dataclasses.replace(first, k=0).get_config()
-        self._made: dict[int, Pipeline] = {}
+        self._made: dict[tuple[int, int], Pipeline] = {}
 
-    def with_count(self, k: int) -> Pipeline:
-        """The template keeping ``k`` entries."""
+    def with_choice(self, k: int, values: int = 0) -> Pipeline:
+        """The template keeping ``k`` entries coded with value coding ``values``."""
         if not 1 <= k <= self.numel:
             raise ValueError(f"k = {k} is not in [1, {self.numel}]")
-        if k not in self._made:
+        if not 0 <= values < len(self.tails):
+            raise ValueError(f"value coding {values} is not in [0, {len(self.tails)})")
+        key = (int(k), int(values))
+        if key not in self._made:
             first = dataclasses.replace(self.template.stages[0], k=int(k))
-            self._made[k] = Pipeline([first, *self.template.stages[1:]])
-        return self._made[k]
+            self._made[key] = Pipeline([first, *self.tails[values]])
+        return self._made[key]
+
+    def with_count(self, k: int) -> Pipeline:
+        """The template keeping ``k`` entries with the first value coding."""
+        return self.with_choice(k, 0)
 
     def match(self, spec: str) -> Pipeline | None:
         """The pipeline ``spec`` names if it belongs to the family, else None."""
@@ -170,36 +200,102 @@ class TopKFamily:
         except (SpecError, ValueError, TypeError):
             return None
         first = pipeline.stages[0]
-        if (not isinstance(first, TopK) or len(pipeline.stages) != len(self.template.stages)
-                or not 1 <= first.k <= self.numel
+        if (not isinstance(first, TopK) or not 1 <= first.k <= self.numel
                 or dataclasses.replace(first, k=0).get_config() != self._first
-                or [stage.get_config() for stage in pipeline.stages[1:]] != self._rest):
+                or [stage.get_config() for stage in pipeline.stages[1:]] not in self._configs):
             return None
         return pipeline
 
+    def cheapest(self) -> int:
+        """The value coding of the smallest payload (one entry)."""
+        return int(np.argmin([model.cost_bits(self.numel, np.array([1]))[0]
+                              for model in self.models]))
 
-def value_bits(template: Pipeline) -> float:
-    """Bits one kept value costs under the stages after Top-K (an estimate).
 
-    Known value codecs by their width; anything else counts as 32 bits. Only the
-    ratio of value bits to position bits steers the split; the measured payload
-    corrects the total.
+@dataclass(frozen=True)
+class ValueModel:
+    """What coding ``k`` kept values with one value coding costs and loses (estimates).
+
+    Parameters
+    ----------
+    kind
+        ``"mean"`` (every value becomes ``sign * mean |value|``: ternary after Top-K,
+        scaled sign), ``"uniform"`` (b-bit steps between a chunk's min and max) or
+        ``"exact"`` (fp32, fp16 and anything unknown: no loss counted).
+    bits
+        Bits each kept value costs.
+    chunk
+        Values sharing one set of side information (0: the whole tensor).
+    side_bits
+        Bits of side information (scales) per chunk.
+    levels
+        ``2**bits - 1`` steps of a uniform quantizer (0 otherwise).
+    stochastic
+        Stochastic rounding (a uniform quantizer's error is then larger).
     """
-    bits = 32.0
-    for stage in template.stages[1:]:
-        config = stage.get_config()
-        kind = config["id"]
-        if kind == "ternary":
-            bits = math.log2(3)
-        elif kind in ("sign", "scaledsign"):
-            bits = 1.0
-        elif kind == "quant":
-            bits = float(config.get("bits", 8))
-        elif kind in ("fp16", "bf16"):
-            bits = 16.0
-        elif kind == "qsgd":
-            bits = math.log2(2 * float(config.get("levels", 16)) + 1)
-    return bits
+
+    kind: str
+    bits: float
+    chunk: int = 0
+    side_bits: float = 32.0
+    levels: int = 0
+    stochastic: bool = True
+
+    @classmethod
+    def of(cls, tail: Sequence[Any]) -> ValueModel:
+        """The model of the stages after a Top-K (their first value coder counts)."""
+        for stage in tail:
+            config = stage.get_config()
+            kind = config["id"]
+            if (kind == "ternary" and config.get("mode") == "mean") or kind in (
+                    "sign", "scaledsign"):
+                # After Top-K no value is zero: one sign bit each, one scale per chunk.
+                return cls("mean", 1.0, int(config.get("chunk", 0) or 0))
+            if kind == "quant":
+                bits = int(config.get("bits", 8))
+                return cls("uniform", float(bits), int(config.get("chunk", 128)), 64.0,
+                           (1 << bits) - 1, config.get("rounding", "stochastic") == "stochastic")
+            if kind == "ternary":  # stochastic ternary: counted as exact at 1.6 bits
+                return cls("exact", 1.6)
+            if kind in ("fp16", "bf16"):
+                return cls("exact", 16.0, side_bits=0.0)
+            if kind == "qsgd":
+                return cls("exact", math.log2(2 * float(config.get("levels", 16)) + 1))
+        return cls("exact", 32.0, side_bits=0.0)
+
+    def cost_bits(self, numel: int, counts: np.ndarray) -> np.ndarray:
+        """Estimated payload bits of a tensor of ``numel`` entries keeping ``counts``:
+        values, side information, positions at the entropy bound and a header."""
+        chunks = np.ceil(counts / self.chunk) if self.chunk else np.ones(len(counts))
+        return (counts * self.bits + chunks * self.side_bits
+                + _log2_binomial(numel, counts) + TENSOR_OVERHEAD_BITS)
+
+    def kept_energy(self, ordered: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The energy the decoded values carry: that of the ``counts`` largest
+        magnitudes (``ordered``, descending) less the value coding's error."""
+        squares = np.cumsum(ordered * ordered)[counts - 1]
+        if self.kind == "mean":
+            # sum a^2 - error, error = sum (a - mean a)^2 = sum a^2 - (sum a)^2 / k
+            return np.cumsum(ordered)[counts - 1] ** 2 / counts
+        if self.kind == "uniform":
+            # Each chunk's range runs from its most negative to its most positive
+            # value: over all chunks those extremes are about the 2 * chunks largest
+            # magnitudes, so a step^2 is near 4 * their mean square / levels^2. The
+            # extremes are coded exactly, every other value loses about step^2 / 6
+            # (stochastic rounding; step^2 / 12 to the nearest).
+            chunks = np.ceil(counts / np.minimum(counts, self.chunk)).astype(np.int64)
+            extremes = np.minimum(2 * chunks, counts)
+            cumulative = np.cumsum(ordered * ordered)
+            step_sq = 4.0 * cumulative[extremes - 1] / extremes / self.levels ** 2
+            inner = np.maximum(counts - 2 * chunks, 0)
+            error = inner * step_sq / (6.0 if self.stochastic else 12.0)
+            return squares - error
+        return squares
+
+
+def value_bits(pipeline: Pipeline) -> float:
+    """Bits one kept value costs under the stages after Top-K (an estimate)."""
+    return ValueModel.of(pipeline.stages[1:]).bits
 
 
 def _log2_binomial(n: int, k: np.ndarray) -> np.ndarray:
@@ -216,86 +312,152 @@ def candidate_counts(numel: int) -> np.ndarray:
     return np.unique(np.append(counts, 1)).astype(np.int64)
 
 
-def estimated_bits(numel: int, counts: np.ndarray, bits_per_value: float) -> np.ndarray:
-    """Estimated payload bits of a tensor for each of ``counts``."""
-    return (counts * bits_per_value + _log2_binomial(numel, counts)
-            + TENSOR_OVERHEAD_BITS)
+@dataclass(frozen=True)
+class Choice:
+    """What one budgeted tensor sends: ``count`` entries in value coding ``values``
+    (an index into its family's :attr:`TopKFamily.tails`)."""
+
+    count: int
+    values: int = 0
 
 
 @dataclass(frozen=True)
-class _Curve:
-    counts: np.ndarray
-    energy: np.ndarray
+class _Hull:
+    """A tensor's candidates on their upper concave hull: bits and kept energy both
+    increasing, energy per extra bit decreasing."""
+
     bits: np.ndarray
+    energy: np.ndarray
+    choices: tuple[Choice, ...]
 
 
-def _curve(values: np.ndarray, bits_per_value: float) -> _Curve:
+def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
     flat = np.abs(np.asarray(values, dtype=np.float32).reshape(-1)).astype(np.float64)
     counts = candidate_counts(flat.size)
     ordered = np.sort(flat)[::-1]
-    energy = np.cumsum(ordered * ordered)[counts - 1]
-    return _Curve(counts, energy, estimated_bits(flat.size, counts, bits_per_value))
-
-
-def allocate_counts(tensors: Mapping[str, np.ndarray], bits_per_value: float,
-                    budget_bits: float) -> dict[str, int]:
-    """Top-K counts for ``tensors`` whose estimated payload bits fit ``budget_bits``.
-
-    Water-filling on the candidate counts of :func:`candidate_counts`: for a price
-    ``lam`` each tensor takes the count maximising ``energy(k) - lam * bits(k)``;
-    ``lam`` is bisected (on a log scale) to the cheapest price whose total fits,
-    then the bits left over go, one candidate step at a time, to the step with the
-    most energy per extra bit that still fits. Every tensor keeps at least one entry,
-    so the result may exceed a budget below that floor.
-
-    Pure: the same tensors and budget give the same counts.
-    """
-    curves = {name: _curve(value, bits_per_value) for name, value in tensors.items()}
-    if not curves:
-        return {}
-
-    def choose(lam: float) -> dict[str, int]:
-        return {name: int(np.argmax(c.energy - lam * c.bits)) for name, c in curves.items()}
-
-    def total(choice: Mapping[str, int]) -> float:
-        return float(sum(curves[name].bits[i] for name, i in choice.items()))
-
-    scale = max(float(c.energy[-1]) for c in curves.values())
-    if scale <= 0:  # nothing to send: the fewest entries everywhere
-        return {name: int(c.counts[0]) for name, c in curves.items()}
-    lo, hi = math.log(scale) - 80.0, math.log(scale) + 10.0  # price per bit, log scale
-    best = {name: 0 for name in curves}
-    if total(choose(math.exp(lo))) <= budget_bits:
-        best = choose(math.exp(lo))
-    else:
-        for _ in range(60):
-            mid = 0.5 * (lo + hi)
-            choice = choose(math.exp(mid))
-            if total(choice) <= budget_bits:
-                hi, best = mid, choice
+    bits = np.concatenate([model.cost_bits(flat.size, counts) for model in models])
+    energy = np.concatenate([model.kept_energy(ordered, counts) for model in models])
+    choices = [Choice(int(k), index) for index in range(len(models)) for k in counts]
+    keep: list[int] = []
+    for i in np.lexsort((-energy, bits)):  # cheapest first, the better of equal costs
+        if keep and energy[i] <= energy[keep[-1]]:
+            continue  # costs at least as much and keeps no more
+        while len(keep) >= 2:
+            a, b = keep[-2], keep[-1]
+            if (energy[b] - energy[a]) * (bits[i] - bits[b]) \
+                    <= (energy[i] - energy[b]) * (bits[b] - bits[a]):
+                keep.pop()  # b lies under the chord from a to i
             else:
-                lo = mid
-    # Spend what the discrete choice left: the best energy per extra bit that fits.
-    spent = total(best)
-    while True:
-        step, gain = None, 0.0
-        for name, i in best.items():
-            c = curves[name]
-            if i + 1 < len(c.counts):
-                extra = c.bits[i + 1] - c.bits[i]
-                if spent + extra <= budget_bits and extra > 0:
-                    value = (c.energy[i + 1] - c.energy[i]) / extra
-                    if step is None or value > gain:
-                        step, gain = name, value
-        if step is None:
-            break
-        spent += curves[step].bits[best[step] + 1] - curves[step].bits[best[step]]
-        best[step] += 1
-    return {name: int(curves[name].counts[i]) for name, i in best.items()}
+                break
+        keep.append(int(i))
+    return _Hull(bits[keep], energy[keep], tuple(choices[i] for i in keep))
 
 
-def fit_scale(scale: float, size: int, budget: int) -> float:
-    """The next scale of the estimated budget to try after ``scale`` made ``size``
-    bytes: assumes bytes roughly proportional to the scale and aims just under the
-    budget."""
-    return scale * 0.985 * budget / max(size, 1)
+class Allocator:
+    """Rate-distortion water-filling of one update's budgeted tensors.
+
+    Each tensor's candidates are every count of :func:`candidate_counts` in every
+    value coding its family offers, worth the energy their decoded values keep
+    (:meth:`ValueModel.kept_energy`) at the bits :meth:`ValueModel.cost_bits`
+    estimates; only those on the upper concave hull of (bits, energy) can be best at
+    some price. Built once per update (it sorts each tensor's magnitudes), then
+    :meth:`allocate` is cheap and can be called for several totals.
+
+    Parameters
+    ----------
+    tensors
+        The compensated update (delta plus error-feedback residual) of each budgeted
+        tensor.
+    models
+        Each tensor's value codings' models (its family's :attr:`TopKFamily.models`).
+    """
+
+    def __init__(self, tensors: Mapping[str, np.ndarray],
+                 models: Mapping[str, Sequence[ValueModel]]) -> None:
+        self.hulls = {name: _hull(value, models[name]) for name, value in tensors.items()}
+
+    def floor_bits(self) -> float:
+        """The estimated bits of the cheapest choice of every tensor."""
+        return float(sum(h.bits[0] for h in self.hulls.values()))
+
+    def estimated_bits(self, choices: Mapping[str, Choice]) -> float:
+        """The estimated bits of ``choices`` (as :meth:`allocate` returned them)."""
+        return float(sum(h.bits[h.choices.index(choices[name])]
+                         for name, h in self.hulls.items()))
+
+    def allocate(self, budget_bits: float) -> dict[str, Choice]:
+        """Each tensor's choice, the estimated bits of all together within
+        ``budget_bits`` (or the cheapest choice everywhere, when that does not fit).
+
+        For a price ``lam`` every tensor takes the hull point maximising
+        ``energy - lam * bits``; ``lam`` is bisected (on a log scale) to the cheapest
+        price whose total fits, then the bits left over go, one hull step at a time,
+        to the step with the most energy per extra bit that still fits. Pure: the
+        same update and total give the same choices.
+        """
+        hulls = self.hulls
+        if not hulls:
+            return {}
+
+        def choose(lam: float) -> dict[str, int]:
+            return {name: int(np.argmax(h.energy - lam * h.bits)) for name, h in hulls.items()}
+
+        def total(choice: Mapping[str, int]) -> float:
+            return float(sum(hulls[name].bits[i] for name, i in choice.items()))
+
+        scale = max(float(h.energy[-1]) for h in hulls.values())
+        best = {name: 0 for name in hulls}
+        if scale > 0:
+            lo, hi = math.log(scale) - 80.0, math.log(scale) + 10.0  # price per bit
+            if total(choose(math.exp(lo))) <= budget_bits:
+                best = choose(math.exp(lo))
+            else:
+                for _ in range(60):
+                    mid = 0.5 * (lo + hi)
+                    choice = choose(math.exp(mid))
+                    if total(choice) <= budget_bits:
+                        hi, best = mid, choice
+                    else:
+                        lo = mid
+            spent = total(best)
+            while True:  # spend what the discrete choice left
+                step, gain = None, 0.0
+                for name, i in best.items():
+                    h = hulls[name]
+                    if i + 1 < len(h.bits):
+                        extra = h.bits[i + 1] - h.bits[i]
+                        if spent + extra <= budget_bits:
+                            value = (h.energy[i + 1] - h.energy[i]) / extra
+                            if step is None or value > gain:
+                                step, gain = name, value
+                if step is None:
+                    break
+                spent += hulls[step].bits[best[step] + 1] - hulls[step].bits[best[step]]
+                best[step] += 1
+        return {name: hulls[name].choices[i] for name, i in best.items()}
+
+
+def next_target(tries: Sequence[tuple[float, int]], budget: int) -> float:
+    """The next estimated total (bits) to allocate, after ``tries`` of (estimated
+    bits of the choice made, measured payload bytes), aiming just under ``budget``
+    bytes.
+
+    One try: the measured miss is added to the estimate (headers and side
+    information, which do not scale with the choice, are what the estimate misses
+    most). Once tries lie on both sides of the aim: the chord between the closest
+    on each side (regula falsi), which cannot leave the bracket. Otherwise the secant
+    through the last two tries, when they rise together, or the miss again.
+    """
+    aim = 0.985 * budget
+    below = [t for t in tries if t[1] <= aim]
+    above = [t for t in tries if t[1] > aim]
+    if below and above:
+        (t0, s0), (t1, s1) = max(below, key=lambda t: t[1]), min(above, key=lambda t: t[1])
+        if t1 > t0 and s1 > s0:
+            return t0 + (aim - s0) * (t1 - t0) / (s1 - s0)
+    target, size = tries[-1]
+    if len(tries) >= 2:
+        (t0, s0), (t1, s1) = tries[-2], tries[-1]
+        if t1 != t0 and 0 < (s1 - s0) / (t1 - t0) < 1.0:
+            return max(t1 + (aim - s1) * (t1 - t0) / (s1 - s0), 1.0)
+    return max(target + 8.0 * (aim - size), 1.0)

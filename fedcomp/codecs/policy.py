@@ -28,10 +28,10 @@ import numpy as np
 
 from fedcomp.codecs.budget import (
     MAX_ATTEMPTS,
+    Allocator,
+    Choice,
     TopKFamily,
-    allocate_counts,
-    fit_scale,
-    value_bits,
+    next_target,
 )
 from fedcomp.codecs.feedback import FeedbackMemory, NoFeedback
 from fedcomp.codecs.pipeline import Pipeline
@@ -92,10 +92,15 @@ class CompressionPolicy:
         (:func:`fnmatch.fnmatchcase`) uses ``spec`` whatever its size; the first
         matching pair wins. See :func:`parse_overrides` for the string form.
     budgeted
-        Tensors that use ``codec`` (at least ``min_numel`` elements, no override) get
-        their Top-K count from a byte budget every update
-        (:func:`encode_within_budget`); ``codec`` must start with an exact Top-K and
+        Every tensor without an override gets its Top-K count (and, with
+        ``budget_values``, its value coding) from a byte budget every update
+        (:func:`encode_within_budget`), whatever its size: ``small_codec`` and
+        ``min_numel`` are then unused. ``codec`` must start with an exact Top-K and
         its count is only the template's.
+    budget_values
+        The value codings a budget chooses from for each tensor (spec strings, e.g.
+        :data:`fedcomp.codecs.budget.VALUE_CHOICES`); empty: ``codec``'s own stages
+        after its Top-K.
     """
 
     codec: str = "none"
@@ -103,6 +108,7 @@ class CompressionPolicy:
     min_numel: int = 1024
     overrides: tuple[tuple[str, str], ...] = ()
     budgeted: bool = False
+    budget_values: tuple[str, ...] = ()
     _pipelines: tuple[Pipeline, Pipeline] = field(init=False, repr=False, compare=False)
     _override_pipelines: tuple[tuple[str, Pipeline], ...] = field(
         init=False, repr=False, compare=False)
@@ -113,8 +119,12 @@ class CompressionPolicy:
         if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) \
                 or self.min_numel < 0:
             raise SpecError(f"min_numel must be a non-negative integer, got {self.min_numel!r}")
-        object.__setattr__(self, "_pipelines",
-                           (Pipeline.parse(self.codec), Pipeline.parse(self.small_codec)))
+        big = Pipeline.parse(self.codec)
+        if self.budgeted and self.budget_values and big.stages:
+            # The budget chooses the value coding: the template (which the layout
+            # dictionary is built from on both sides) takes the first choice.
+            big = Pipeline([big.stages[0], *Pipeline.parse(self.budget_values[0]).stages])
+        object.__setattr__(self, "_pipelines", (big, Pipeline.parse(self.small_codec)))
         if len(self.overrides) > MAX_OVERRIDES:
             raise SpecError(f"{len(self.overrides)} codec overrides; at most {MAX_OVERRIDES}")
         override_pipelines = []
@@ -125,8 +135,8 @@ class CompressionPolicy:
                                 f"non-empty strings, got {pair!r}")
             override_pipelines.append((pair[0], Pipeline.parse(pair[1])))
         object.__setattr__(self, "_override_pipelines", tuple(override_pipelines))
-        if self.budgeted:
-            TopKFamily(self._pipelines[0], 1)  # names a codec without a Top-K first
+        if self.budgeted:  # names a codec without a Top-K first, or a bad value coding
+            TopKFamily(self._pipelines[0], 1, self.budget_values)
 
     @property
     def description(self) -> str:
@@ -136,6 +146,8 @@ class CompressionPolicy:
             text += f" / {pattern}: {pipeline.spec}"
         if self.budgeted:
             text += " / budgeted"
+            if self.budget_values:
+                text += f" ({', '.join(self.budget_values)})"
         return text
 
     def family_for(self, shape: Sequence[int], name: str | None = None
@@ -145,10 +157,10 @@ class CompressionPolicy:
             return None
         pipeline = self.pipeline_for(shape, name)
         numel = math.prod(shape)
-        if pipeline is not self._pipelines[0] or numel < self.min_numel:
+        if pipeline is not self._pipelines[0]:
             return None
         if numel not in self._families:  # keeps the family's pipelines between rounds
-            self._families[numel] = TopKFamily(pipeline, numel)
+            self._families[numel] = TopKFamily(pipeline, numel, self.budget_values)
         return self._families[numel]
 
     def pipeline_for(self, shape: Sequence[int], name: str | None = None) -> Pipeline:
@@ -158,7 +170,7 @@ class CompressionPolicy:
                 if fnmatch.fnmatchcase(name, pattern):
                     return pipeline
         big, small = self._pipelines
-        return big if math.prod(shape) >= self.min_numel else small
+        return big if self.budgeted or math.prod(shape) >= self.min_numel else small
 
     def expected(self, shapes: Mapping[str, Sequence[int]], *,
                  selection: Mapping[str, Sequence[int]] | None = None
@@ -210,7 +222,7 @@ def encode_update(
     ``layout_dictionary`` is false. ``selection`` gives the shapes that choose each
     tensor's pipeline where they differ from the tensors' own (see
     :meth:`CompressionPolicy.expected`). ``pipelines`` replaces the policy's pipeline
-    of the tensors it names by a member of their family (a byte budget's counts).
+    of the tensors it names by a member of their family (a byte budget's choices).
 
     Returns the payload, the values the receiver will decode (for the caller's own
     bookkeeping, e.g. a downlink replica), and the encode time.
@@ -240,18 +252,18 @@ class BudgetError(ValueError):
 
 @dataclass
 class BudgetedUpdate(EncodedUpdate):
-    """An update encoded within a byte budget, with the Top-K counts it chose."""
+    """An update encoded within a byte budget, with what it chose for each tensor."""
 
-    counts: dict[str, int] = field(default_factory=dict)
+    choices: dict[str, Choice] = field(default_factory=dict)
 
 
-def _encode_counts(tensors: Mapping[str, Any], policy: CompressionPolicy,
-                   counts: Mapping[str, int], *, rng: np.random.Generator,
-                   meta: Mapping[str, Any] | None) -> EncodedUpdate:
-    """``tensors`` encoded with each budgeted tensor keeping ``counts[name]`` entries."""
+def _encode_choices(tensors: Mapping[str, Any], policy: CompressionPolicy,
+                    choices: Mapping[str, Choice], *, rng: np.random.Generator,
+                    meta: Mapping[str, Any] | None) -> EncodedUpdate:
+    """``tensors`` encoded with each budgeted tensor sent as ``choices[name]`` says."""
     return encode_update(tensors, policy, rng=rng, meta=meta, pipelines={
-        name: policy.family_for(tensors[name].shape, name).with_count(k)
-        for name, k in counts.items()})
+        name: policy.family_for(tensors[name].shape, name).with_choice(c.count, c.values)
+        for name, c in choices.items()})
 
 
 def encode_within_budget(
@@ -265,9 +277,9 @@ def encode_within_budget(
 ) -> BudgetedUpdate:
     """Encode an update into at most ``budget`` payload bytes (see :mod:`fedcomp.codecs.budget`).
 
-    The budgeted tensors' Top-K counts are allocated from the compensated update
-    (delta plus error-feedback residual), the payload is encoded and measured, and
-    the allocation rescaled until the payload fits (at most
+    The budgeted tensors' Top-K counts and value codings are allocated from the
+    compensated update (delta plus error-feedback residual), the payload is encoded
+    and measured, and the estimated total corrected until the payload fits (at most
     :data:`~fedcomp.codecs.budget.MAX_ATTEMPTS` encodes); the largest payload that
     fits is sent and the feedback keeps what it did not carry. ``feedback`` must
     offer ``compensate`` and ``keep`` (:class:`~fedcomp.codecs.feedback.ErrorFeedback`
@@ -276,50 +288,53 @@ def encode_within_budget(
     Raises
     ------
     BudgetError
-        If even one entry per budgeted tensor does not fit.
+        If even the cheapest choice of every budgeted tensor does not fit.
     """
     memory = feedback if feedback is not None else NoFeedback()
     start = time.perf_counter()
     compensated = memory.compensate(tensors)
     families = {name: family for name, value in compensated.items()
                 if (family := policy.family_for(value.shape, name)) is not None}
-    budgeted = {name: compensated[name] for name in families}
-    bits = value_bits(next(iter(families.values())).template) if families else 32.0
-    best: tuple[EncodedUpdate, dict[str, int]] | None = None
-    scale = 1.0
+    allocator = Allocator({name: compensated[name] for name in families},
+                          {name: family.models for name, family in families.items()})
+    best: tuple[EncodedUpdate, dict[str, Choice]] | None = None
+    tries: list[tuple[float, int]] = []
+    target = 8.0 * budget
     for _ in range(MAX_ATTEMPTS):
-        counts = allocate_counts(budgeted, bits, 8.0 * budget * scale)
-        update = _encode_counts(compensated, policy, counts, rng=rng, meta=meta)
+        choices = allocator.allocate(target)
+        update = _encode_choices(compensated, policy, choices, rng=rng, meta=meta)
         if update.nbytes <= budget and (best is None or update.nbytes > best[0].nbytes):
-            best = (update, counts)
+            best = (update, choices)
         if best is not None and best[0].nbytes >= 0.97 * budget:
             break
-        scale = fit_scale(scale, update.nbytes, budget)
+        tries.append((allocator.estimated_bits(choices), update.nbytes))
+        target = next_target(tries, budget)
     if best is None:
-        counts = dict.fromkeys(budgeted, 1)
-        update = _encode_counts(compensated, policy, counts, rng=rng, meta=meta)
+        choices = {name: Choice(1, family.cheapest()) for name, family in families.items()}
+        update = _encode_choices(compensated, policy, choices, rng=rng, meta=meta)
         if update.nbytes > budget:
             raise BudgetError(f"a byte budget of {budget:,} bytes is below the smallest "
                               f"payload of this model ({update.nbytes:,} bytes)")
-        best = (update, counts)
-    update, counts = best
+        best = (update, choices)
+    update, choices = best
     memory.keep({name: compensated[name] - np.asarray(update.decoded[name], dtype=np.float32)
                  for name in compensated})
     return BudgetedUpdate(update.payload, update.decoded, time.perf_counter() - start,
-                          update.numel, counts=counts)
+                          update.numel, choices=choices)
 
 
 def minimum_payload_bytes(policy: CompressionPolicy,
                           shapes: Mapping[str, Sequence[int]]) -> int:
     """The smallest payload a budgeted policy can send for a model of ``shapes``: one
-    Top-K entry per budgeted tensor, the others in their fixed pipelines (coded from
-    a fixed pseudo-random update; real updates may differ by a few bytes)."""
+    Top-K entry per budgeted tensor in its cheapest value coding, the others in their
+    fixed pipelines (coded from a fixed pseudo-random update; real updates may differ
+    by a few bytes)."""
     rng = np.random.default_rng(0)
     update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
               for name, shape in shapes.items()}
-    ones = {name: 1 for name, shape in shapes.items()
-            if policy.family_for(tuple(shape), name) is not None}
-    return _encode_counts(update, policy, ones, rng=rng, meta={"round": 0}).nbytes
+    cheapest = {name: Choice(1, family.cheapest()) for name, shape in shapes.items()
+                if (family := policy.family_for(tuple(shape), name)) is not None}
+    return _encode_choices(update, policy, cheapest, rng=rng, meta={"round": 0}).nbytes
 
 
 def encoder_fingerprint(policies: Sequence[CompressionPolicy],

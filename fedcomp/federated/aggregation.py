@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from fedcomp.codecs.budget import topk_count
+from fedcomp.codecs.budget import topk_count, value_bits
 from fedcomp.codecs.wire import ExpectedTensor, unpack_payload
 from fedcomp.errors import PayloadError
 from fedcomp.federated.replies import MAX_EXAMPLES
@@ -86,9 +86,10 @@ class AggregationResult:
     weight_capped: list[int] = field(default_factory=list)
     #: The aggregate was not finite in float32 and was dropped.
     non_finite: bool = False
-    #: Per decoded node, the Top-K count of each tensor coded within a byte budget
-    #: (read from the payload's own specs; empty without a budget).
-    kept: dict[int, dict[str, int]] = field(default_factory=dict)
+    #: Per decoded node, the Top-K count and the bits per kept value of each tensor
+    #: coded within a byte budget (read from the payload's own specs; empty without a
+    #: budget).
+    kept: dict[int, dict[str, tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def rejected_by_reason(self) -> dict[str, int]:
@@ -237,10 +238,11 @@ def _decode(reply: ClientReply, expected: Mapping[str, ExpectedTensor],
     except PayloadError as exc:
         _reject(result, reply.node_id, exc.reason, str(exc))
         return None
-    kept = {name: topk_count(decoded.pipelines[name], math.prod(spec.shape))
+    kept = {name: (int(topk_count(decoded.pipelines[name], math.prod(spec.shape)) or 0),
+                   value_bits(decoded.pipelines[name]))
             for name, spec in expected.items() if spec.family is not None}
     if kept:
-        result.kept[reply.node_id] = {name: int(k or 0) for name, k in kept.items()}
+        result.kept[reply.node_id] = kept
     return reply.node_id, weight, decoded.tensors
 
 

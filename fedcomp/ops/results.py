@@ -39,7 +39,7 @@ ROUND_COLUMNS = [
     "cum_downlink_bytes", "clients_ok", "clients_failed", "rejected", "timed_out",
     "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s", "raw_accuracy",
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
-    "protocol_down_bytes", "uplink_density", "uplink_tensor_density",
+    "protocol_down_bytes", "uplink_density", "uplink_tensor_density", "uplink_value_bits",
 ]
 
 #: The columns of ``rounds.csv`` that hold text, not numbers.
@@ -52,6 +52,7 @@ CLIENT_COLUMNS = [
     "round", "node_id", "partition-id", "num-examples", "payload-bytes", "downlink-bytes",
     "train-s", "encode-s", "residual-norm-in", "given-back-norm", "delta-norm",
     "replica-round", "state-from-file", "wire-up-bytes", "wire-down-bytes", "uplink-density",
+    "uplink-value-bits",
 ]
 
 
@@ -93,6 +94,9 @@ class RoundRecord:
     #: clients sent (mean over clients), and each tensor's (``name=share;...``).
     uplink_density: float = math.nan
     uplink_tensor_density: str = ""
+    #: With ``uplink-budget``: the bits a kept value cost under the value codings the
+    #: budget chose (mean over the accepted clients, weighted by entries).
+    uplink_value_bits: float = math.nan
 
 
 def machine_facts() -> dict[str, Any]:
@@ -117,24 +121,31 @@ def machine_facts() -> dict[str, Any]:
             **versions}
 
 
-def record_densities(kept: Mapping[int, Mapping[str, int]], expected: Mapping[str, Any],
-                     record: RoundRecord, client_metrics: dict[int, dict[str, float]]) -> None:
+def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
+                     expected: Mapping[str, Any], record: RoundRecord,
+                     client_metrics: dict[int, dict[str, float]]) -> None:
     """What a byte budget chose this round, read from the decoded payloads' Top-K
-    counts (``kept``, see :class:`fedcomp.federated.aggregation.AggregationResult`):
-    each client's share of the budgeted entries into its ``clients.csv`` row, their
-    mean and each tensor's mean share into the round's row."""
+    counts and value codings (``kept``, see
+    :class:`fedcomp.federated.aggregation.AggregationResult`): each client's share of
+    the budgeted entries and bits per kept value into its ``clients.csv`` row, their
+    means and each tensor's mean share into the round's row."""
     if not kept:
         return
     numel = {name: math.prod(expected[name].shape) for name in next(iter(kept.values()))}
-    shares = []
-    for node, counts in kept.items():
-        share = sum(counts.values()) / max(sum(numel[name] for name in counts), 1)
+    shares, bits = [], []
+    for node, choices in kept.items():
+        entries = sum(k for k, _ in choices.values())
+        share = entries / max(sum(numel[name] for name in choices), 1)
+        per_value = sum(k * b for k, b in choices.values()) / max(entries, 1)
         shares.append(share)
+        bits.append(per_value)
         if node in client_metrics:
             client_metrics[node]["uplink-density"] = share
+            client_metrics[node]["uplink-value-bits"] = per_value
     record.uplink_density = float(sum(shares) / len(shares))
+    record.uplink_value_bits = float(sum(bits) / len(bits))
     record.uplink_tensor_density = ";".join(
-        f"{name}={sum(c[name] for c in kept.values()) / len(kept) / numel[name]:.6g}"
+        f"{name}={sum(c[name][0] for c in kept.values()) / len(kept) / numel[name]:.6g}"
         for name in numel)
 
 
