@@ -517,7 +517,8 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
             recorder.record(RoundRecord(
                 round_, accuracy=0.5 + 0.1 * round_, uplink_bytes=1_000, downlink_bytes=4_000,
                 clients_ok=2, clients_sampled=2, **(dict(
-                    uplink_density=0.02, uplink_tensor_density="fc1.weight=0.01;conv2=0.2")
+                    uplink_density=0.02, uplink_value_bits=1.5 + round_,
+                    uplink_tensor_density=f"fc1.weight=0.01;conv2={0.1 * round_:g}")
                     if not wire else dict(
                     wire_nodes=2, wire_up_bytes=30_000, wire_down_bytes=14_000,
                     protocol_up_bytes=29_000, protocol_down_bytes=10_000))))
@@ -525,7 +526,7 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
     (tmp_path / "not-a-run").mkdir()
     assert [r.method for r in load_runs(tmp_path)] == ["deployed", "simulated"]
     budgeted = load_runs(tmp_path / "simulated")[0].rounds[0]  # a byte budget's text column
-    assert budgeted["uplink_tensor_density"] == "fc1.weight=0.01;conv2=0.2"
+    assert budgeted["uplink_tensor_density"] == "fc1.weight=0.01;conv2=0.1"
     assert budgeted["uplink_density"] == 0.02
     assert [r.method for r in load_runs(tmp_path / "deployed")] == ["deployed"]
     table, _ = write_report(tmp_path, target=0.65)
@@ -536,5 +537,10 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
         "deployed", "4", "15.0", "14.5", "7.0", "5.0", "80.0", f"{40 / 15:.1f}", "32.0",
         f"{80 / 22:.1f}"]
     assert not any(line.startswith("| simulated | 4 |") for line in table.splitlines())
+    # What the budget chose, as means over the rounds: only the budgeted run has a row.
+    chose = [line for line in table.splitlines() if line.startswith("| simulated | 3.00 |")]
+    assert [c.strip() for c in chose[0].split("|")[1:-1]] == [
+        "simulated", "3.00", "1%", "15%"]
+    assert "| deployed | -" not in table
     with pytest.raises(ValueError, match="no sweep"):
         load_runs(tmp_path / "not-a-run")

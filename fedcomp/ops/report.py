@@ -377,6 +377,41 @@ def format_wire(methods: list[MethodResult]) -> str | None:
         "|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
+def format_budget_choices(methods: list[MethodResult]) -> str | None:
+    """A markdown table of what byte budgets chose: per budgeted method, the share of
+    each tensor's entries sent and the bits a kept value cost (means over rounds,
+    clients and seeds, from ``rounds.csv``'s ``uplink_tensor_density`` and
+    ``uplink_value_bits``). None when no run had a budget."""
+    rows: list[tuple[str, dict[str, float], float | None]] = []
+    names: list[str] = []
+    for m in methods:
+        shares: dict[str, list[float]] = {}
+        bits: list[float] = []
+        for run in m.runs:
+            for row in run.rounds:
+                text = row.get("uplink_tensor_density")
+                if isinstance(text, str) and text:
+                    for item in text.split(";"):
+                        name, _, value = item.partition("=")
+                        shares.setdefault(name, []).append(float(value))
+                value = row.get("uplink_value_bits")
+                if isinstance(value, float) and math.isfinite(value):
+                    bits.append(value)
+        if shares:
+            names += [n for n in shares if n not in names]
+            rows.append((m.method, {n: statistics.mean(v) for n, v in shares.items()},
+                         statistics.mean(bits) if bits else None))
+    if not rows:
+        return None
+    lines = ["| method | bits a kept value | " + " | ".join(f"`{n}`" for n in names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for method, shares, value_bits in rows:
+        cells = [f"{100 * shares[n]:.3g}%" if n in shares else "-" for n in names]
+        lines.append(f"| {method} | {'-' if value_bits is None else f'{value_bits:.2f}'} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
     """A markdown table of each method's accuracy at the given rounds, mean over seeds.
 
@@ -580,6 +615,10 @@ def write_report(out_dir: str | Path, target: float | None = None,
     if (wire := format_wire(methods)) is not None:
         tables.append("On the wire (deployed runs): kB per node and round, and factors "
                       "against FedAvg's fp32 payload.\n\n" + wire)
+    if (choices := format_budget_choices(methods)) is not None:
+        tables.append("What the byte budgets chose: the share of each tensor's entries "
+                      "sent, and the bits a kept value cost (means over rounds, clients "
+                      "and seeds).\n\n" + choices)
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))
