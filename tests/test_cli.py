@@ -87,3 +87,58 @@ def test_flower_gets_whole_cpus_per_client(monkeypatch, tmp_path):
     assert seen == ["num-supernodes=3 client-resources-num-cpus=1"]
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["simulate", "--cpus-per-client", "0.5"])
+
+
+def _fake_process(proc, pid: int, argv: list[str], cwd: str, fds: list[str]) -> None:
+    entry = proc / str(pid)
+    (entry / "fd").mkdir(parents=True)
+    (entry / "cmdline").write_bytes(b"\0".join(a.encode() for a in argv) + b"\0")
+    (entry / "cwd").symlink_to(cwd)
+    for number, target in enumerate(fds):
+        (entry / "fd" / str(number)).symlink_to(target)
+
+
+def test_local_superlinks_whose_checkout_was_deleted_are_found_and_only_those(tmp_path):
+    from fedcomp.ops.cli import stale_local_superlinks
+
+    proc, home = tmp_path / "proc", tmp_path / "home"
+    (home / "local-superlink").mkdir(parents=True)
+    database = home / "local-superlink" / "state.db"
+    database.write_bytes(b"")
+    gone = str(tmp_path / "gone" / "state.db")
+
+    def superlink(db: str, *extra: str) -> list[str]:
+        return ["/venv/bin/python", "/venv/bin/flower-superlink", "--insecure", *extra,
+                "--port", "39091", "--database", db]
+
+    _fake_process(proc, 101, superlink(str(database), "--simulation"), str(tmp_path),
+                  [str(database)])  # alive and well
+    _fake_process(proc, 102, superlink(gone, "--simulation"), str(tmp_path), [])
+    _fake_process(proc, 103, superlink(str(database), "--simulation"), str(tmp_path),
+                  [f"{database} (deleted)"])  # a new file at the old path
+    _fake_process(proc, 104, superlink(str(database), "--simulation"),
+                  f"{tmp_path}/old (deleted)", [str(database)])
+    _fake_process(proc, 105, superlink(gone), str(tmp_path), [])  # a deployment's: not ours
+    _fake_process(proc, 106, ["/usr/bin/sleep", "--simulation", "--database", gone],
+                  str(tmp_path), [])
+    (proc / "self").mkdir()
+    assert stale_local_superlinks(proc) == [102, 103, 104]
+
+
+def test_a_stale_local_superlink_is_stopped(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from fedcomp.ops.cli import stop_stale_local_superlinks
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        proc = tmp_path / "proc"
+        _fake_process(proc, child.pid, ["python", "flower-superlink", "--simulation",
+                                        "--database", str(tmp_path / "gone.db")],
+                      str(tmp_path), [])
+        assert stop_stale_local_superlinks(proc, wait_s=0.2) == [child.pid]
+        assert child.wait(timeout=10) != 0  # ended by a signal
+        assert f"pid {child.pid}" in capsys.readouterr().out
+    finally:
+        child.kill()

@@ -54,6 +54,62 @@ def flower_env(project: Path) -> dict[str, str]:
     return env
 
 
+def stale_local_superlinks(proc: Path = Path("/proc")) -> list[int]:
+    """Flower's local SuperLinks whose files are gone: the process ids.
+
+    ``flwr run . local`` starts a SuperLink on 127.0.0.1:39091 that keeps running
+    after the command, with its database under the FLWR_HOME of the checkout that
+    started it, and later ``flwr run ... local`` commands reuse it whatever their
+    FLWR_HOME. When that checkout has been deleted (and cloned again at the same
+    path), the SuperLink writes to files that no longer exist and the new checkout's
+    runs fail. Such a SuperLink is recognised from ``/proc``: its ``--database`` file
+    is missing, or is open only as a deleted file, or its working folder is deleted.
+    """
+    found = []
+    for entry in proc.glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            args = [a.decode(errors="replace") for a in argv if a]
+            if not any(a.endswith("flower-superlink") for a in args) \
+                    or "--simulation" not in args or "--database" not in args:
+                continue
+            database = args[args.index("--database") + 1]
+            deleted = f"{database} (deleted)"
+            links = [os.readlink(fd) for fd in (entry / "fd").iterdir()
+                     if fd.is_symlink()]
+            cwd = os.readlink(entry / "cwd")
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or not ours to read
+        if not os.path.exists(database) or deleted in links or cwd.endswith(" (deleted)"):
+            found.append(int(entry.name))
+    return sorted(found)
+
+
+def stop_stale_local_superlinks(proc: Path = Path("/proc"), *, wait_s: float = 10.0) -> list[int]:
+    """Stop the local SuperLinks :func:`stale_local_superlinks` finds (SIGTERM, then
+    SIGKILL after ``wait_s``), so that ``flwr run ... local`` starts a fresh one.
+    Returns the process ids stopped."""
+    import signal
+
+    stale = stale_local_superlinks(proc)
+    for pid in stale:
+        print(f"fedcomp: stopping Flower's local SuperLink (pid {pid}): its files are "
+              "gone (its checkout was deleted); Flower starts a new one", flush=True)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            continue
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and (proc / str(pid)).exists():
+            time.sleep(0.1)
+        if (proc / str(pid)).exists():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    return stale
+
+
 def _flwr() -> str:
     from fedcomp.ops.deploy import flower_tool
 
@@ -85,6 +141,8 @@ def _flower_run(project: Path, connection: str, run_config: str, *, federation: 
     """
     env = flower_env(project)
     flwr = _flwr()
+    if connection == "local":
+        stop_stale_local_superlinks()
     command = [flwr, "run", str(project), connection, "--format", "json",
                "--run-config", run_config]
     if federation:
