@@ -378,11 +378,12 @@ def format_wire(methods: list[MethodResult]) -> str | None:
 
 
 def format_budget_choices(methods: list[MethodResult]) -> str | None:
-    """A markdown table of what byte budgets chose: per budgeted method, the share of
-    each tensor's entries sent and the bits a kept value cost (means over rounds,
-    clients and seeds, from ``rounds.csv``'s ``uplink_tensor_density`` and
-    ``uplink_value_bits``). None when no run had a budget."""
-    rows: list[tuple[str, dict[str, float], float | None]] = []
+    """A markdown table of what byte budgets chose: a row per tensor, a column per
+    budgeted method, each cell the share of the tensor's entries sent; a last row the
+    bits a kept value cost (means over rounds, clients and seeds, from ``rounds.csv``'s
+    ``uplink_tensor_density`` and ``uplink_value_bits``). None when no run had a
+    budget."""
+    columns: list[tuple[str, dict[str, float], float | None]] = []
     names: list[str] = []
     for m in methods:
         shares: dict[str, list[float]] = {}
@@ -399,16 +400,19 @@ def format_budget_choices(methods: list[MethodResult]) -> str | None:
                     bits.append(value)
         if shares:
             names += [n for n in shares if n not in names]
-            rows.append((m.method, {n: statistics.mean(v) for n, v in shares.items()},
-                         statistics.mean(bits) if bits else None))
-    if not rows:
+            columns.append((m.method, {n: statistics.mean(v) for n, v in shares.items()},
+                            statistics.mean(bits) if bits else None))
+    if not columns:
         return None
-    lines = ["| method | bits a kept value | " + " | ".join(f"`{n}`" for n in names) + " |",
-             "|---|---|" + "---|" * len(names)]
-    for method, shares, value_bits in rows:
-        cells = [f"{100 * shares[n]:.3g}%" if n in shares else "-" for n in names]
-        lines.append(f"| {method} | {'-' if value_bits is None else f'{value_bits:.2f}'} | "
-                     + " | ".join(cells) + " |")
+    lines = ["| tensor | " + " | ".join(method for method, _, _ in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for name in names:
+        lines.append(f"| `{name}` | " + " | ".join(
+            f"{100 * shares[name]:.3g}%" if name in shares else "-"
+            for _, shares, _ in columns) + " |")
+    lines.append("| bits a kept value | " + " | ".join(
+        "-" if value_bits is None else f"{value_bits:.2f}" for _, _, value_bits in columns)
+        + " |")
     return "\n".join(lines)
 
 
