@@ -79,7 +79,7 @@ def test_no_budget_is_none_and_a_non_string_is_refused():
 @given(st.integers(1, 500))
 def test_the_family_admits_its_template_at_every_count_and_nothing_else(k):
     family = TopKFamily(Pipeline.parse(TEMPLATE), 500)
-    member = family.with_count(k)
+    member = family.with_choice(k)
     assert family.match(member.spec) is not None
     assert family.match(member.spec).spec == member.spec
     for other in (f"topk:ratio=0.01,k={k}|ternary:mode=stochastic",
@@ -318,7 +318,7 @@ def test_the_receiver_refuses_a_count_outside_the_tensor_or_another_value_codec(
     update = _update(0)
     expected = POLICY.expected(SHAPES)
     too_many = TopKFamily(Pipeline.parse(TEMPLATE), 10**6)
-    for pipeline in (too_many.with_count(20_000),  # conv2 has 18,432 entries
+    for pipeline in (too_many.with_choice(20_000),  # conv2 has 18,432 entries
                      Pipeline.parse("topk:ratio=0.01,k=5|ternary:mode=stochastic"),
                      Pipeline.parse("topk:ratio=0.01,k=5|quant:bits=4")):  # not in POLICY
         payload = encode_update(update, POLICY, rng=np.random.default_rng(0),

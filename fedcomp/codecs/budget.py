@@ -189,10 +189,6 @@ class TopKFamily:
             self._made[key] = Pipeline([first, *self.tails[values]])
         return self._made[key]
 
-    def with_count(self, k: int) -> Pipeline:
-        """The template keeping ``k`` entries with the first value coding."""
-        return self.with_choice(k, 0)
-
     def match(self, spec: str) -> Pipeline | None:
         """The pipeline ``spec`` names if it belongs to the family, else None."""
         try:
@@ -273,7 +269,8 @@ class ValueModel:
     def kept_energy(self, ordered: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """The energy the decoded values carry: that of the ``counts`` largest
         magnitudes (``ordered``, descending) less the value coding's error."""
-        squares = np.cumsum(ordered * ordered)[counts - 1]
+        cumulative = np.cumsum(ordered * ordered)
+        squares = cumulative[counts - 1]
         if self.kind == "mean":
             # sum a^2 - error, error = sum (a - mean a)^2 = sum a^2 - (sum a)^2 / k
             return np.cumsum(ordered)[counts - 1] ** 2 / counts
@@ -285,7 +282,6 @@ class ValueModel:
             # (stochastic rounding; step^2 / 12 to the nearest).
             chunks = np.ceil(counts / np.minimum(counts, self.chunk)).astype(np.int64)
             extremes = np.minimum(2 * chunks, counts)
-            cumulative = np.cumsum(ordered * ordered)
             step_sq = 4.0 * cumulative[extremes - 1] / extremes / self.levels ** 2
             inner = np.maximum(counts - 2 * chunks, 0)
             error = inner * step_sq / (6.0 if self.stochastic else 12.0)

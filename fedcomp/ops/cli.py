@@ -23,6 +23,7 @@ import collections
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -89,8 +90,6 @@ def stop_stale_local_superlinks(proc: Path = Path("/proc"), *, wait_s: float = 1
     """Stop the local SuperLinks :func:`stale_local_superlinks` finds (SIGTERM, then
     SIGKILL after ``wait_s``), so that ``flwr run ... local`` starts a fresh one.
     Returns the process ids stopped."""
-    import signal
-
     stale = stale_local_superlinks(proc)
     for pid in stale:
         print(f"fedcomp: stopping Flower's local SuperLink (pid {pid}): its files are "
