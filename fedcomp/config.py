@@ -359,13 +359,14 @@ class RunConfig:
             if budget.payload_bytes(numel) < need:
                 fixed = [name for name, shape in shapes.items()
                          if policy.family_for(tuple(shape), name) is None]
-                rest = (f"{len(fixed)} tensors in their override codecs" if fixed
-                        else "no other tensor")
+                rest = (f"and {len(fixed)} tensors in their override codecs" if fixed
+                        else "and no other tensor")
                 raise SpecError(
                     f"run config {key!r} {budget.describe(numel)} is below the smallest "
-                    f"payload of this model: {need:,} bytes (one Top-K entry for each of "
-                    f"{len(shapes) - len(fixed)} tensors, {rest}); use at most "
-                    f"'{int(4 * numel / need)}x' or at least '{8 * need / numel:.4f}bpp'")
+                    f"payload of this model: {need:,} bytes (the header, one Top-K entry "
+                    f"of one of {len(shapes) - len(fixed)} budgeted tensors {rest}); use "
+                    f"at most '{int(4 * numel / need)}x' or at least "
+                    f"'{8 * need / numel:.4f}bpp'")
 
     @property
     def fault_plan(self) -> FaultPlan:

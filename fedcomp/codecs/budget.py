@@ -29,12 +29,19 @@ corrects the estimated total (:func:`next_target`) and encodes again (at most
 :data:`MAX_ATTEMPTS` times), and sends the largest payload that fits. A payload
 above the budget is never sent.
 
+A tensor may also be left out of a round (``k = 0``): it is then absent from the
+payload and costs no bytes at all, while its update waits in the error-feedback
+residual. A tensor that is sent costs a few bytes whatever its ``k`` (its header
+entry, the value coding's scale); on a small model with many small tensors (a
+transformer's biases and norms) those bytes are most of a tight budget, and
+sending every tensor every round would leave nothing for the values.
+
 The receiver cannot know the choices in advance, so a budgeted tensor is expected
 as a *family* (:class:`TopKFamily`): the user's Top-K keeping any ``k`` in
-``[1, n]``, followed by any of the value codings. The choice travels in the spec
-string the payload carries anyway (a few bytes of its compressed header), and the
-server reads each client's choices from the payload it decodes: nothing extra is
-sent to report them.
+``[1, n]``, followed by any of the value codings, or the tensor's absence (a zero
+update). The choice travels in the spec string the payload carries anyway (a few
+bytes of its compressed header), and the server reads each client's choices from
+the payload it decodes: nothing extra is sent to report them.
 """
 
 from __future__ import annotations
@@ -150,7 +157,8 @@ class TopKFamily:
     Top-K parameter as in the template), followed by one of ``values`` (value codings
     as spec strings, e.g. :data:`VALUE_CHOICES`), or by the template's own stages
     when ``values`` is empty. :meth:`match` is the receiver's check of a spec string
-    from an untrusted payload.
+    from an untrusted payload. ``k = 0`` has no pipeline: the tensor is absent from
+    the payload (see :func:`fedcomp.codecs.wire.unpack_payload`).
 
     Raises
     ------
@@ -302,8 +310,8 @@ def _log2_binomial(n: int, k: np.ndarray) -> np.ndarray:
 
 
 def candidate_counts(numel: int) -> np.ndarray:
-    """The counts a tensor of ``numel`` entries may be given (from :data:`DENSITY_GRID`,
-    and always 1: the floor :func:`fedcomp.codecs.policy.minimum_payload_bytes` assumes)."""
+    """The counts a sent tensor of ``numel`` entries may be given (from
+    :data:`DENSITY_GRID`, and always 1); leaving it out (0) is a candidate besides."""
     counts = np.clip(np.round(np.array(DENSITY_GRID) * numel), 1, numel)
     return np.unique(np.append(counts, 1)).astype(np.int64)
 
@@ -311,7 +319,8 @@ def candidate_counts(numel: int) -> np.ndarray:
 @dataclass(frozen=True)
 class Choice:
     """What one budgeted tensor sends: ``count`` entries in value coding ``values``
-    (an index into its family's :attr:`TopKFamily.tails`)."""
+    (an index into its family's :attr:`TopKFamily.tails`); ``count = 0``: nothing,
+    the tensor is left out of the payload."""
 
     count: int
     values: int = 0
@@ -334,6 +343,9 @@ def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
     bits = np.concatenate([model.cost_bits(flat.size, counts) for model in models])
     energy = np.concatenate([model.kept_energy(ordered, counts) for model in models])
     choices = [Choice(int(k), index) for index in range(len(models)) for k in counts]
+    # Leaving the tensor out: no bytes, nothing kept.
+    bits, energy = np.append(0.0, bits), np.append(0.0, energy)
+    choices.insert(0, Choice(0))
     keep: list[int] = []
     for i in np.lexsort((-energy, bits)):  # cheapest first, the better of equal costs
         if keep and energy[i] <= energy[keep[-1]]:
@@ -371,19 +383,23 @@ class Allocator:
     def __init__(self, tensors: Mapping[str, np.ndarray],
                  models: Mapping[str, Sequence[ValueModel]]) -> None:
         self.hulls = {name: _hull(value, models[name]) for name, value in tensors.items()}
+        self._models = {name: tuple(models[name]) for name in tensors}
+        self._numel = {name: int(np.size(value)) for name, value in tensors.items()}
 
-    def floor_bits(self) -> float:
-        """The estimated bits of the cheapest choice of every tensor."""
-        return float(sum(h.bits[0] for h in self.hulls.values()))
+    def choice_bits(self, name: str, choice: Choice) -> float:
+        """The estimated bits of one tensor's choice (0 when it is left out)."""
+        if choice.count == 0:
+            return 0.0
+        return float(self._models[name][choice.values].cost_bits(
+            self._numel[name], np.array([choice.count]))[0])
 
     def estimated_bits(self, choices: Mapping[str, Choice]) -> float:
         """The estimated bits of ``choices`` (as :meth:`allocate` returned them)."""
-        return float(sum(h.bits[h.choices.index(choices[name])]
-                         for name, h in self.hulls.items()))
+        return float(sum(self.choice_bits(name, choice) for name, choice in choices.items()))
 
     def allocate(self, budget_bits: float) -> dict[str, Choice]:
         """Each tensor's choice, the estimated bits of all together within
-        ``budget_bits`` (or the cheapest choice everywhere, when that does not fit).
+        ``budget_bits`` (every tensor left out when nothing fits).
 
         For a price ``lam`` every tensor takes the hull point maximising
         ``energy - lam * bits``; ``lam`` is bisected (on a log scale) to the cheapest
@@ -430,7 +446,40 @@ class Allocator:
                     break
                 spent += hulls[step].bits[best[step] + 1] - hulls[step].bits[best[step]]
                 best[step] += 1
-        return {name: hulls[name].choices[i] for name, i in best.items()}
+        choices = {name: hulls[name].choices[i] for name, i in best.items()}
+        return self._top_up(choices, budget_bits - sum(
+            hulls[name].bits[i] for name, i in best.items()))
+
+    def _top_up(self, choices: dict[str, Choice], left: float) -> dict[str, Choice]:
+        """Spend what is left between grid points: the sent tensor whose next hull
+        step (in the same value coding) gains most per bit takes as many more entries
+        as fit, its cost being near linear in ``k`` between neighbouring counts. The
+        grid alone leaves up to a fifth of a large tensor's share unspent, and the
+        payload's fit to the budget then hunts between two grid points."""
+        best, gain = None, 0.0
+        for name, choice in choices.items():
+            h = self.hulls[name]
+            i = h.choices.index(choice)
+            if choice.count == 0 or i + 1 == len(h.bits) \
+                    or h.choices[i + 1].values != choice.values:
+                continue
+            slope = (h.energy[i + 1] - h.energy[i]) / (h.bits[i + 1] - h.bits[i])
+            if best is None or slope > gain:
+                best, gain = name, slope
+        if best is None or left <= 0:
+            return choices
+        h = self.hulls[best]
+        i = h.choices.index(choices[best])
+        values, base = choices[best].values, h.bits[i]
+        lo, hi = h.choices[i].count, h.choices[i + 1].count - 1  # the most that fits
+        while lo < hi:  # the cost rises with k: bisect the largest count within ``left``
+            mid = (lo + hi + 1) // 2
+            if self.choice_bits(best, Choice(mid, values)) - base <= left:
+                lo = mid
+            else:
+                hi = mid - 1
+        choices[best] = Choice(lo, values)
+        return choices
 
 
 def next_target(tries: Sequence[tuple[float, int]], budget: int) -> float:

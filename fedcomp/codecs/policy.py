@@ -213,7 +213,7 @@ def encode_update(
     meta: Mapping[str, Any] | None = None,
     layout_dictionary: bool = True,
     selection: Mapping[str, Sequence[int]] | None = None,
-    pipelines: Mapping[str, Pipeline] | None = None,
+    pipelines: Mapping[str, Pipeline | None] | None = None,
 ) -> EncodedUpdate:
     """Compress every tensor of an update (with error feedback) into one payload.
 
@@ -222,7 +222,8 @@ def encode_update(
     ``layout_dictionary`` is false. ``selection`` gives the shapes that choose each
     tensor's pipeline where they differ from the tensors' own (see
     :meth:`CompressionPolicy.expected`). ``pipelines`` replaces the policy's pipeline
-    of the tensors it names by a member of their family (a byte budget's choices).
+    of the tensors it names by a member of their family (a byte budget's choices), or
+    by None: the tensor is left out of the payload and decodes to zeros.
 
     Returns the payload, the values the receiver will decode (for the caller's own
     bookkeeping, e.g. a downlink replica), and the encode time.
@@ -230,6 +231,7 @@ def encode_update(
     memory = feedback if feedback is not None else NoFeedback()
     start = time.perf_counter()
     encoded = []
+    left_out = []
     decoded: dict[str, Any] = {}
     numel = 0
     for name, value in tensors.items():
@@ -238,11 +240,22 @@ def encode_update(
             array.shape if selection is None else selection[name], name)
         layout_spec = ""
         if pipelines is not None and name in pipelines:
-            layout_spec, pipeline = pipeline.spec, pipelines[name]
+            layout_spec, chosen = pipeline.spec, pipelines[name]
+            if chosen is None:  # left out this round
+                if feedback is not None:
+                    raise ValueError(f"tensor {name!r} is left out, which error feedback "
+                                     "inside encode_update would not remember; keep the "
+                                     "residual as encode_within_budget does")
+                decoded[name] = np.zeros(array.shape, dtype=np.float32)
+                left_out.append((name, tuple(array.shape), layout_spec))
+                numel += array.size
+                continue
+            pipeline = chosen
         root, decoded[name] = memory.compress(name, value, pipeline, rng)
         encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root, layout_spec))
         numel += array.size
-    payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary)
+    payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary,
+                           left_out=left_out)
     return EncodedUpdate(payload, decoded, time.perf_counter() - start, numel)
 
 
@@ -260,10 +273,11 @@ class BudgetedUpdate(EncodedUpdate):
 def _encode_choices(tensors: Mapping[str, Any], policy: CompressionPolicy,
                     choices: Mapping[str, Choice], *, rng: np.random.Generator,
                     meta: Mapping[str, Any] | None) -> EncodedUpdate:
-    """``tensors`` encoded with each budgeted tensor sent as ``choices[name]`` says."""
+    """``tensors`` encoded with each budgeted tensor sent as ``choices[name]`` says
+    (left out where its count is 0)."""
     return encode_update(tensors, policy, rng=rng, meta=meta, pipelines={
         name: policy.family_for(tensors[name].shape, name).with_choice(c.count, c.values)
-        for name, c in choices.items()})
+        if c.count else None for name, c in choices.items()})
 
 
 def encode_within_budget(
@@ -281,14 +295,16 @@ def encode_within_budget(
     compensated update (delta plus error-feedback residual), the payload is encoded
     and measured, and the estimated total corrected until the payload fits (at most
     :data:`~fedcomp.codecs.budget.MAX_ATTEMPTS` encodes); the largest payload that
-    fits is sent and the feedback keeps what it did not carry. ``feedback`` must
-    offer ``compensate`` and ``keep`` (:class:`~fedcomp.codecs.feedback.ErrorFeedback`
-    or :class:`~fedcomp.codecs.feedback.NoFeedback`).
+    fits is sent and the feedback keeps what it did not carry. A tensor may be left
+    out of the payload altogether (count 0), when its bytes are worth more elsewhere.
+    ``feedback`` must offer ``compensate`` and ``keep``
+    (:class:`~fedcomp.codecs.feedback.ErrorFeedback` or
+    :class:`~fedcomp.codecs.feedback.NoFeedback`).
 
     Raises
     ------
     BudgetError
-        If even the cheapest choice of every budgeted tensor does not fit.
+        If even the payload that leaves every budgeted tensor out does not fit.
     """
     memory = feedback if feedback is not None else NoFeedback()
     start = time.perf_counter()
@@ -310,7 +326,7 @@ def encode_within_budget(
         tries.append((allocator.estimated_bits(choices), update.nbytes))
         target = next_target(tries, budget)
     if best is None:
-        choices = {name: Choice(1, family.cheapest()) for name, family in families.items()}
+        choices = {name: Choice(0) for name in families}
         update = _encode_choices(compensated, policy, choices, rng=rng, meta=meta)
         if update.nbytes > budget:
             raise BudgetError(f"a byte budget of {budget:,} bytes is below the smallest "
@@ -325,16 +341,22 @@ def encode_within_budget(
 
 def minimum_payload_bytes(policy: CompressionPolicy,
                           shapes: Mapping[str, Sequence[int]]) -> int:
-    """The smallest payload a budgeted policy can send for a model of ``shapes``: one
-    Top-K entry per budgeted tensor in its cheapest value coding, the others in their
-    fixed pipelines (coded from a fixed pseudo-random update; real updates may differ
-    by a few bytes)."""
+    """The smallest useful payload a budgeted policy can send for a model of
+    ``shapes``: the tensors in fixed pipelines, and one Top-K entry of the one
+    budgeted tensor that costs least in its cheapest value coding, the others left
+    out (coded from a fixed pseudo-random update; real updates may differ by a few
+    bytes)."""
     rng = np.random.default_rng(0)
     update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
               for name, shape in shapes.items()}
-    cheapest = {name: Choice(1, family.cheapest()) for name, shape in shapes.items()
+    families = {name: family for name, shape in shapes.items()
                 if (family := policy.family_for(tuple(shape), name)) is not None}
-    return _encode_choices(update, policy, cheapest, rng=rng, meta={"round": 0}).nbytes
+    sizes = [_encode_choices(update, policy, {
+        other: Choice(1, family.cheapest()) if other == name else Choice(0)
+        for other in families}, rng=rng, meta={"round": 0}).nbytes for name in families]
+    if not sizes:
+        return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
+    return min(sizes)
 
 
 def encoder_fingerprint(policies: Sequence[CompressionPolicy],

@@ -120,8 +120,9 @@ class ExpectedTensor:
 
     ``family``, when set, also admits the pipelines its ``match(spec)`` returns (a
     :class:`fedcomp.codecs.budget.TopKFamily`: the pipeline with another Top-K count,
-    chosen by the sender's byte budget); ``pipeline`` is then the family's template,
-    which the layout dictionary uses on both sides.
+    chosen by the sender's byte budget), and the tensor's absence, which decodes to
+    zeros (the budget sent none of its entries); ``pipeline`` is then the family's
+    template, which the layout dictionary uses on both sides.
     """
 
     shape: tuple[int, ...]
@@ -137,7 +138,8 @@ class DecodedPayload:
     specs: dict[str, str]
     meta: dict[str, Any] = field(default_factory=dict)
     nbytes: int = 0
-    #: The pipeline each tensor was decoded with (a family member where one was admitted).
+    #: The pipeline each tensor was decoded with (a family member where one was
+    #: admitted); a budgeted tensor the payload left out has none (and no spec).
     pipelines: dict[str, Pipeline] = field(default_factory=dict)
 
 
@@ -236,7 +238,10 @@ def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTen
         items: Any = ((name, t.shape, t.pipeline.spec) for name, t in layout.items())
     else:
         items = ((t.name, t.shape, t.layout_spec or t.pipeline.spec) for t in layout)
-    key = _layout_key(items)
+    return _dictionary_of(_layout_key(items))
+
+
+def _dictionary_of(key: Layout) -> LayoutDictionary:
     if key not in _BUILT:
         if len(_BUILT) >= _MAX_BUILT:
             _BUILT.pop(next(iter(_BUILT)))  # the oldest
@@ -251,12 +256,16 @@ def known_layout_dictionary(check: int) -> LayoutDictionary | None:
 
 
 def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None = None,
-                 *, use_layout_dictionary: bool = False) -> bytes:
+                 *, use_layout_dictionary: bool = False,
+                 left_out: Sequence[tuple[str, tuple[int, ...], str]] = ()) -> bytes:
     """Serialize encoded tensors (and small ``meta`` values) into one payload.
 
     ``use_layout_dictionary`` compresses the header against the layout's dictionary
     (see the module doc; the receiver must then pass ``expected`` to
     :func:`unpack_payload`). The smallest of plain, zstd and dictionary-zstd is sent.
+    ``left_out`` names the (name, shape, family template spec) of the budgeted
+    tensors the payload leaves out: they are part of the layout the receiver
+    expects, so of its dictionary, though not of the payload.
     """
     leaves: list[np.ndarray] = []
     header_raw = _header_bytes(tensors, meta, leaves)
@@ -266,8 +275,10 @@ def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | Non
     compressed = zstandard.ZstdCompressor(level=9, write_content_size=True).compress(header_raw)
     if len(compressed) < len(header):
         header, flags = compressed, _FLAG_ZSTD_HEADER
-    if use_layout_dictionary and tensors:
-        dictionary = layout_dictionary(tensors)
+    if use_layout_dictionary and (tensors or left_out):
+        dictionary = _dictionary_of(_layout_key(
+            [(t.name, t.shape, t.layout_spec or t.pipeline.spec) for t in tensors]
+            + list(left_out)))
         against = zstandard.ZstdCompressor(
             level=19, dict_data=dictionary.zstd, write_content_size=True,
             write_dict_id=False).compress(header_raw)
@@ -554,8 +565,9 @@ def _unpack(
             except SpecError as exc:
                 raise _reject(f"tensor {name!r}: bad codec spec ({exc})", "codec") from None
         parsed.append((name, shape, pipeline, _build_tree(tree, body, 0)))
-    if expected is not None and names != set(expected):
-        missing = sorted(set(expected) - names)
+    absent = sorted(set(expected) - names) if expected is not None else []
+    missing = [name for name in absent if expected[name].family is None]
+    if missing:
         raise _reject(f"payload lacks tensors {missing[:5]}", "model")
     if body.offset != body_len:
         raise _reject(f"body has {body_len - body.offset} bytes no tensor accounts for",
@@ -570,5 +582,7 @@ def _unpack(
         tensors[name] = pipeline.decode_tensor(root, shape)
         used_specs[name] = pipeline.spec
         pipelines[name] = pipeline
+    for name in absent:  # a budget left it out: no update this round
+        tensors[name] = np.zeros(expected[name].shape, dtype=np.float32)
     return DecodedPayload(tensors=tensors, specs=used_specs, meta=meta, nbytes=total,
                           pipelines=pipelines)

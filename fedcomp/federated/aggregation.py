@@ -238,8 +238,8 @@ def _decode(reply: ClientReply, expected: Mapping[str, ExpectedTensor],
     except PayloadError as exc:
         _reject(result, reply.node_id, exc.reason, str(exc))
         return None
-    kept = {name: (int(topk_count(decoded.pipelines[name], math.prod(spec.shape)) or 0),
-                   value_bits(decoded.pipelines[name]))
+    kept = {name: (int(topk_count(pipeline, math.prod(spec.shape)) or 0), value_bits(pipeline))
+            if (pipeline := decoded.pipelines.get(name)) is not None else (0, 0.0)
             for name, spec in expected.items() if spec.family is not None}
     if kept:
         result.kept[reply.node_id] = kept
