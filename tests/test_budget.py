@@ -29,7 +29,7 @@ from fedcomp.codecs.policy import (
     encode_within_budget,
     minimum_payload_bytes,
 )
-from fedcomp.codecs.wire import unpack_payload
+from fedcomp.codecs.wire import EncodedTensor, pack_payload, unpack_payload
 from fedcomp.config import RunConfig
 from fedcomp.errors import PayloadError, SpecError
 from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
@@ -383,6 +383,31 @@ def test_a_budgeted_tensor_left_out_decodes_to_zeros_and_a_fixed_one_may_not_be(
                       feedback=ErrorFeedback(POLICY.description))
 
 
+def test_the_layout_dictionary_holds_the_family_members_so_their_headers_shrink():
+    """Both sides add headers of a few members of each budgeted tensor's family to
+    the layout dictionary: a header in another value coding than the template's,
+    at counts off the template's, then compresses far better, and decodes."""
+    update = _update(5)
+    family = {name: AUTO.family_for(shape, name) for name, shape in SHAPES.items()}
+    tensors, bare = [], []
+    for index, (name, value) in enumerate(update.items()):
+        pipeline = family[name].with_choice(13 + 7 * index, 2)  # 4-bit, odd counts
+        root = pipeline.encode(value, rng=np.random.default_rng(index))
+        template = AUTO.pipeline_for(SHAPES[name], name).spec
+        tensors.append(EncodedTensor(name, SHAPES[name], pipeline, root, template,
+                                     family[name].dictionary_specs()))
+        bare.append(EncodedTensor(name, SHAPES[name], pipeline, root, template))
+    rich = pack_payload(tensors, {"round": 2}, use_layout_dictionary=True)
+    plain = pack_payload(bare, {"round": 2}, use_layout_dictionary=True)
+    assert len(rich) < len(plain) - 4 * len(SHAPES), (len(rich), len(plain))
+    decoded = unpack_payload(rich, expected=AUTO.expected(SHAPES))
+    for tensor in tensors:
+        np.testing.assert_array_equal(decoded.tensors[tensor.name],
+                                      tensor.pipeline.decode_tensor(tensor.root, tensor.shape))
+    with pytest.raises(PayloadError, match="another layout"):
+        unpack_payload(plain, expected=AUTO.expected(SHAPES))
+
+
 # ---------------------------------------------------------------------------- run config
 @pytest.mark.parametrize(("values", "fragment"), [
     ({"uplink-budget": "fast"}, "'uplink-budget'"),
@@ -417,7 +442,7 @@ def test_the_server_reads_each_clients_choices_from_its_payload():
     budget = parse_budget("500x").payload_bytes(NUMEL)
     replies, sent = [], {}
     for node in (1, 2, 3):
-        update = encode_within_budget(_update(node), POLICY, budget,
+        update = encode_within_budget(_update(node), AUTO, budget,
                                       rng=np.random.default_rng(node), meta={"round": 4})
         replies.append(ClientReply(node, update.payload, 10.0))
         sent[node] = {name: (c.count, MODELS[c.values].bits if c.count else 0.0)

@@ -210,6 +210,16 @@ class TopKFamily:
             return None
         return pipeline
 
+    #: The counts of the members whose headers the layout dictionary holds.
+    DICTIONARY_COUNTS = (1, 8, 64, 512)
+
+    def dictionary_specs(self) -> tuple[str, ...]:
+        """Representative members (a few counts in every value coding), whose payload
+        headers the layout dictionary holds besides the template's
+        (:func:`fedcomp.codecs.wire.layout_dictionary`)."""
+        return tuple(self.with_choice(k, v).spec for k in self.DICTIONARY_COUNTS
+                     if k <= self.numel for v in range(len(self.tails)))
+
     def cheapest(self) -> int:
         """The value coding of the smallest payload (one entry)."""
         return int(np.argmin([model.cost_bits(self.numel, np.array([1]))[0]

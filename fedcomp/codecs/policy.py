@@ -238,6 +238,10 @@ def encode_update(
         array, _ = to_numpy(value)
         pipeline = policy.pipeline_for(
             array.shape if selection is None else selection[name], name)
+        family = policy.family_for(array.shape, name)
+        # The receiver expects a budgeted tensor as its family: the layout dictionary
+        # holds the family's representative members too.
+        variants = family.dictionary_specs() if family is not None else ()
         layout_spec = ""
         if pipelines is not None and name in pipelines:
             layout_spec, chosen = pipeline.spec, pipelines[name]
@@ -247,12 +251,13 @@ def encode_update(
                                      "inside encode_update would not remember; keep the "
                                      "residual as encode_within_budget does")
                 decoded[name] = np.zeros(array.shape, dtype=np.float32)
-                left_out.append((name, tuple(array.shape), layout_spec))
+                left_out.append((name, tuple(array.shape), layout_spec, variants))
                 numel += array.size
                 continue
             pipeline = chosen
         root, decoded[name] = memory.compress(name, value, pipeline, rng)
-        encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root, layout_spec))
+        encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root, layout_spec,
+                                     variants))
         numel += array.size
     payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary,
                            left_out=left_out)

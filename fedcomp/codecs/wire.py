@@ -112,6 +112,9 @@ class EncodedTensor:
     #: The spec the layout dictionary uses for this tensor when it differs from the
     #: pipeline's own: a budgeted tensor's family template (see ``ExpectedTensor``).
     layout_spec: str = ""
+    #: More specs whose headers the layout dictionary holds: a budgeted tensor's
+    #: family's representative members (``TopKFamily.dictionary_specs``).
+    layout_variants: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,13 +189,14 @@ class LayoutDictionary:
     nbytes: int
 
 
-#: A layout: sorted (tensor name, shape, pipeline spec) triples.
-Layout = tuple[tuple[str, tuple[int, ...], str], ...]
+#: A layout: sorted (tensor name, shape, pipeline spec, variant specs) entries.
+Layout = tuple[tuple[str, tuple[int, ...], str, tuple[str, ...]], ...]
 
 
 def _layout_key(items: Any) -> Layout:
-    return tuple(sorted((str(name), tuple(int(d) for d in shape), str(spec))
-                        for name, shape, spec in items))
+    return tuple(sorted((str(name), tuple(int(d) for d in shape), str(spec),
+                         tuple(str(v) for v in variants))
+                        for name, shape, spec, variants in items))
 
 
 def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
@@ -215,13 +219,27 @@ _BUILT: dict[Layout, LayoutDictionary] = {}
 _MAX_BUILT = 32
 
 
-def _build_layout_dictionary(layout: Layout) -> LayoutDictionary:
+def _reference_header(entries: Sequence[tuple[str, tuple[int, ...], str]]) -> bytes:
     tensors = []
-    for name, shape, spec in layout:
+    for name, shape, spec in entries:
         pipeline = Pipeline.parse(spec)
         root = pipeline.encode(_reference_input(shape), rng=np.random.default_rng(0))
         tensors.append(EncodedTensor(name, shape, pipeline, root))
-    raw = _header_bytes(tensors, None, [])
+    return _header_bytes(tensors, None, [])
+
+
+def _build_layout_dictionary(layout: Layout) -> LayoutDictionary:
+    """The header of the layout for the reference input; where tensors have variants
+    (a byte budget's family members: other counts and value codings), then the header
+    of each variant in turn. A budgeted payload's header entries differ from the
+    template's in their counts, index coding and value codec's tree: with those
+    structures in the dictionary, a sent tensor's entry compresses to about two
+    thirds, and one in a value coding other than the template's to half."""
+    raw = _reference_header([(name, shape, spec) for name, shape, spec, _ in layout])
+    rounds = max((len(variants) for *_, variants in layout), default=0)
+    for j in range(rounds):
+        raw += _reference_header([(name, shape, variants[j]) for name, shape, _, variants
+                                  in layout if j < len(variants)])
     return LayoutDictionary(
         zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT),
         zlib.crc32(raw) & 0xFFFF, len(raw))
@@ -235,9 +253,12 @@ def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTen
     Built once per layout (cached): encoding the reference input costs milliseconds.
     """
     if isinstance(layout, Mapping):
-        items: Any = ((name, t.shape, t.pipeline.spec) for name, t in layout.items())
+        items: Any = ((name, t.shape, t.pipeline.spec,
+                       t.family.dictionary_specs() if t.family is not None else ())
+                      for name, t in layout.items())
     else:
-        items = ((t.name, t.shape, t.layout_spec or t.pipeline.spec) for t in layout)
+        items = ((t.name, t.shape, t.layout_spec or t.pipeline.spec, t.layout_variants)
+                 for t in layout)
     return _dictionary_of(_layout_key(items))
 
 
@@ -257,15 +278,16 @@ def known_layout_dictionary(check: int) -> LayoutDictionary | None:
 
 def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None = None,
                  *, use_layout_dictionary: bool = False,
-                 left_out: Sequence[tuple[str, tuple[int, ...], str]] = ()) -> bytes:
+                 left_out: Sequence[tuple[str, tuple[int, ...], str, tuple[str, ...]]] = (),
+                 ) -> bytes:
     """Serialize encoded tensors (and small ``meta`` values) into one payload.
 
     ``use_layout_dictionary`` compresses the header against the layout's dictionary
     (see the module doc; the receiver must then pass ``expected`` to
     :func:`unpack_payload`). The smallest of plain, zstd and dictionary-zstd is sent.
-    ``left_out`` names the (name, shape, family template spec) of the budgeted
-    tensors the payload leaves out: they are part of the layout the receiver
-    expects, so of its dictionary, though not of the payload.
+    ``left_out`` names the (name, shape, family template spec, variant specs) of
+    the budgeted tensors the payload leaves out: they are part of the layout the
+    receiver expects, so of its dictionary, though not of the payload.
     """
     leaves: list[np.ndarray] = []
     header_raw = _header_bytes(tensors, meta, leaves)
@@ -277,8 +299,8 @@ def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | Non
         header, flags = compressed, _FLAG_ZSTD_HEADER
     if use_layout_dictionary and (tensors or left_out):
         dictionary = _dictionary_of(_layout_key(
-            [(t.name, t.shape, t.layout_spec or t.pipeline.spec) for t in tensors]
-            + list(left_out)))
+            [(t.name, t.shape, t.layout_spec or t.pipeline.spec, t.layout_variants)
+             for t in tensors] + list(left_out)))
         against = zstandard.ZstdCompressor(
             level=19, dict_data=dictionary.zstd, write_content_size=True,
             write_dict_id=False).compress(header_raw)
