@@ -68,7 +68,7 @@ from fedcomp.flower import (
     reply_parts,
     train_content,
 )
-from fedcomp.ops.results import RoundRecord, record_densities
+from fedcomp.ops.results import RoundRecord, record_densities, record_downlink_densities
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
 
@@ -298,6 +298,9 @@ class CompressedFedAvg(FedAvg):
             return self.current_arrays(), None
         stats = RoundStats(RoundRecord(round=server_round, clients_sampled=len(self._sent),
                                        downlink_bytes=sum(self._sent.values())))
+        # Before this round's update is published: what the clients received.
+        record_downlink_densities(self.broadcaster.take_kept(), self.broadcaster.shapes,
+                                  stats.record)
         updates = self._accept(list(replies), stats)
         result = aggregate_deltas(updates, self.expected,
                                   expected_meta={"round": server_round},

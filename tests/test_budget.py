@@ -18,6 +18,7 @@ from fedcomp.codecs.budget import (
     ValueModel,
     next_target,
     parse_budget,
+    topk_count,
     value_bits,
 )
 from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback
@@ -33,7 +34,7 @@ from fedcomp.codecs.wire import EncodedTensor, pack_payload, unpack_payload
 from fedcomp.config import RunConfig
 from fedcomp.errors import PayloadError, SpecError
 from fedcomp.federated.aggregation import ClientReply, aggregate_deltas
-from fedcomp.ops.results import RoundRecord, record_densities
+from fedcomp.ops.results import RoundRecord, record_densities, record_downlink_densities
 
 SHAPES = {"conv1.weight": (32, 1, 3, 3), "conv1.bias": (32,), "conv2.weight": (64, 32, 3, 3),
           "fc1.weight": (128, 784), "fc2.weight": (10, 128)}
@@ -487,9 +488,26 @@ def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode)
                   for k, v in server.model.items()}
         server.publish(target)
         message = server.send(who)
+        # The server's record of what its budget chose (one entry per budgeted
+        # payload made: the published update, or this client's catch-up) is what the
+        # payload holds.
+        kept = server.take_kept()
+        assert server.take_kept() == []
         if message.kind != "full":
             compressed += 1
             assert all(len(p) <= budget for p in message.payloads)
+            assert len(kept) == 1 and set(kept[0]) == set(SHAPES)
+            decoded = unpack_payload(message.payloads[-1], expected=policy.expected(SHAPES))
+            for name, (count, bits) in kept[0].items():
+                pipeline = decoded.pipelines.get(name)
+                assert count == (0 if pipeline is None else
+                                 topk_count(pipeline, math.prod(SHAPES[name])))
+                assert bits == (0.0 if pipeline is None else value_bits(pipeline))
+            record = RoundRecord(round=1)
+            record_downlink_densities(kept, server.shapes, record)
+            entries = sum(k for k, _ in kept[0].values())
+            assert record.downlink_density == pytest.approx(entries / NUMEL)
+            assert len(record.downlink_tensor_density.split(";")) == len(SHAPES)
         replica.apply(message, server.shapes, policy, initial=initial)
         server.applied(who)
         assert model_digest(replica.model) == server.digest_for(who)

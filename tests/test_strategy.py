@@ -229,8 +229,9 @@ def test_wire_counters_become_bytes_per_round_less_the_payloads_that_crossed(mak
 def test_budgeted_replies_are_decoded_and_their_choices_recorded(make_strategy):
     """With byte budgets both ways: the strategy starts (the budgets fit this model),
     sends downlink payloads within its budget, decodes uplink payloads made within
-    the uplink budget and records each client's Top-K share; a budget below the
-    model's smallest payload is refused before round 1."""
+    the uplink budget and records each client's Top-K share and what the downlink
+    budget chose; a budget below the model's smallest payload is refused before
+    round 1."""
     import pytest
 
     from fedcomp.codecs.policy import encode_within_budget
@@ -261,5 +262,11 @@ def test_budgeted_replies_are_decoded_and_their_choices_recorded(make_strategy):
     assert 0 < stats.record.uplink_density < 1
     assert stats.record.uplink_tensor_density.startswith("w=")
     assert all(0 < m["uplink-density"] < 1 for m in stats.client_metrics.values())
+    # The downlink budget's choices for the three catch-ups sent this round: in round
+    # 1 the replicas and the server hold the same shared initial model, the difference
+    # is zero, and the budget leaves every tensor out.
+    assert stats.record.downlink_density == 0 and stats.record.downlink_value_bits == 0
+    assert stats.record.downlink_tensor_density == "w=0;b=0"
+    assert strategy.broadcaster.take_kept() == []  # taken by the round's record
     with pytest.raises(SpecError, match="smallest payload"):
         make_strategy(uplink_budget="20B")

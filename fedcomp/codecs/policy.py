@@ -273,6 +273,9 @@ class BudgetedUpdate(EncodedUpdate):
     """An update encoded within a byte budget, with what it chose for each tensor."""
 
     choices: dict[str, Choice] = field(default_factory=dict)
+    #: The same as (entries sent, estimated bits a kept value) per tensor, as the
+    #: receiver reads them from the payload ((0, 0.0) for a tensor left out).
+    kept: dict[str, tuple[int, float]] = field(default_factory=dict)
 
 
 def _encode_choices(tensors: Mapping[str, Any], policy: CompressionPolicy,
@@ -340,8 +343,10 @@ def encode_within_budget(
     update, choices = best
     memory.keep({name: compensated[name] - np.asarray(update.decoded[name], dtype=np.float32)
                  for name in compensated})
+    kept = {name: (c.count, families[name].models[c.values].bits if c.count else 0.0)
+            for name, c in choices.items()}
     return BudgetedUpdate(update.payload, update.decoded, time.perf_counter() - start,
-                          update.numel, choices=choices)
+                          update.numel, choices=choices, kept=kept)
 
 
 def minimum_payload_bytes(policy: CompressionPolicy,

@@ -49,6 +49,7 @@ import numpy as np
 
 from fedcomp.codecs.feedback import ErrorFeedback
 from fedcomp.codecs.policy import (
+    BudgetedUpdate,
     CompressionPolicy,
     EncodedUpdate,
     encode_update,
@@ -158,6 +159,11 @@ class Downlink(Protocol):
 
     def reconcile(self, who: Recipient, held_digest: str) -> None: ...
 
+    def take_kept(self) -> list[dict[str, tuple[int, float]]]:
+        """What ``downlink-budget`` chose (entries and bits a kept value per tensor) in
+        each budgeted payload made since the last call; empty without a budget."""
+        ...
+
     def state_dict(self) -> tuple[dict[str, np.ndarray], dict]: ...
 
     def load_state_dict(self, arrays: Mapping[str, np.ndarray], meta: Mapping) -> None: ...
@@ -208,8 +214,15 @@ class Broadcaster:
         self.rng = np.random.default_rng([self.seed, 0xD0])
         self._full: tuple[int, bytes] | None = None
         self._digest: tuple[int, str] | None = None
+        self._kept: list[dict[str, tuple[int, float]]] = []
         #: Digest of the round-0 model, for clients that build it from the seed.
         self.initial_digest = model_digest(self.model)
+
+    def take_kept(self) -> list[dict[str, tuple[int, float]]]:
+        """The budget's choices of the updates published since the last call (each
+        is what every client receives next)."""
+        kept, self._kept = self._kept, []
+        return kept
 
     # The Downlink interface: clients are nodes; a replica round is a lower bound, so
     # a node that did not answer keeps it (a stale replica refuses the updates it is
@@ -250,6 +263,8 @@ class Broadcaster:
         delta = {k: np.asarray(target[k], dtype=np.float32) - v for k, v in self.model.items()}
         update = _encode(delta, self.policy, self.budget, rng=self.rng, feedback=self.feedback,
                          meta={"kind": "delta", "from-round": self.round})
+        if isinstance(update, BudgetedUpdate):
+            self._kept.append(update.kept)
         for name, value in update.decoded.items():
             self.model[name] += value
         self.updates[self.round] = update.payload
@@ -390,6 +405,7 @@ class PerClientBroadcaster:
         self.forget_after = forget_after
         self.round = 0
         self.initial = {k: v.copy() for k, v in self.model.items()}
+        self._kept: list[dict[str, tuple[int, float]]] = []
         self.initial_digest = model_digest(self.initial)
         self.model_nbytes = sum(v.nbytes for v in self.model.values())
         #: What each client holds, as far as the server knows (None: unknown).
@@ -495,6 +511,8 @@ class PerClientBroadcaster:
                 rng=np.random.default_rng([self.seed, self.round, stream, 0xD0]),
                 meta={"kind": "catchup", "round": self.round})
             if len(update.payload) < len(self.full_payload()):
+                if isinstance(update, BudgetedUpdate):
+                    self._kept.append(update.kept)
                 base_digest = held.digest
                 for name, value in update.decoded.items():
                     replica[name] += value
@@ -518,6 +536,11 @@ class PerClientBroadcaster:
     # The Downlink interface: clients are keys (partitions), which outlive node ids.
     def send(self, who: Recipient) -> DownlinkMessage:
         return self.message_for(who.key, stream=who.stream, shared_init=self.shared_init)
+
+    def take_kept(self) -> list[dict[str, tuple[int, float]]]:
+        """The budget's choices of the catch-up payloads made since the last call."""
+        kept, self._kept = self._kept, []
+        return kept
 
     def digest_for(self, who: Recipient) -> str:
         held = self.held.get(who.key)

@@ -379,32 +379,34 @@ def format_wire(methods: list[MethodResult]) -> str | None:
 
 def format_budget_choices(methods: list[MethodResult]) -> str | None:
     """A markdown table of what byte budgets chose: a row per tensor, a column per
-    budgeted method, each cell the share of the tensor's entries sent; a last row the
-    bits a kept value cost (means over rounds, clients and seeds, from ``rounds.csv``'s
-    ``uplink_tensor_density`` and ``uplink_value_bits``). None when no run had a
-    budget."""
+    budgeted method and direction (``uplink-budget``, and ``downlink-budget`` as
+    "METHOD, downlink"), each cell the share of the tensor's entries sent; a last row
+    the bits a kept value cost (means over rounds, payloads and seeds, from
+    ``rounds.csv``'s ``*_tensor_density`` and ``*_value_bits``). None when no run had
+    a budget."""
     columns: list[tuple[str, dict[str, float], float | None]] = []
     names: list[str] = []
     for m in methods:
-        shares: dict[str, list[float]] = {}
-        bits: list[float] = []
-        for run in m.runs:
-            for row in run.rounds:
-                text = row.get("uplink_tensor_density")
-                if isinstance(text, str) and text:
-                    for item in text.split(";"):
-                        name, _, value = item.partition("=")
-                        shares.setdefault(name, []).append(float(value))
-                value = row.get("uplink_value_bits")
-                if isinstance(value, float) and math.isfinite(value):
-                    bits.append(value)
-        if shares:
-            names += [n for n in shares if n not in names]
-            columns.append((m.method, {n: statistics.mean(v) for n, v in shares.items()},
-                            statistics.mean(bits) if bits else None))
+        for direction, label in (("uplink", m.method), ("downlink", f"{m.method}, downlink")):
+            shares: dict[str, list[float]] = {}
+            bits: list[float] = []
+            for run in m.runs:
+                for row in run.rounds:
+                    text = row.get(f"{direction}_tensor_density")
+                    if isinstance(text, str) and text:
+                        for item in text.split(";"):
+                            name, _, value = item.partition("=")
+                            shares.setdefault(name, []).append(float(value))
+                    value = row.get(f"{direction}_value_bits")
+                    if isinstance(value, float) and math.isfinite(value):
+                        bits.append(value)
+            if shares:
+                names += [n for n in shares if n not in names]
+                columns.append((label, {n: statistics.mean(v) for n, v in shares.items()},
+                                statistics.mean(bits) if bits else None))
     if not columns:
         return None
-    lines = ["| tensor | " + " | ".join(method for method, _, _ in columns) + " |",
+    lines = ["| tensor | " + " | ".join(label for label, _, _ in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for name in names:
         lines.append(f"| `{name}` | " + " | ".join(

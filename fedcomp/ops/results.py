@@ -15,7 +15,7 @@ import math
 import os
 import platform
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ __all__ = [
     "format_summary_table",
     "format_wire_line",
     "record_densities",
+    "record_downlink_densities",
 ]
 
 ROUND_COLUMNS = [
@@ -40,10 +41,11 @@ ROUND_COLUMNS = [
     "encode_s", "decode_s", "train_s", "epsilon", "dp_clip", "wall_s", "raw_accuracy",
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
     "protocol_down_bytes", "uplink_density", "uplink_tensor_density", "uplink_value_bits",
+    "downlink_density", "downlink_tensor_density", "downlink_value_bits",
 ]
 
 #: The columns of ``rounds.csv`` that hold text, not numbers.
-TEXT_ROUND_COLUMNS = frozenset({"uplink_tensor_density"})
+TEXT_ROUND_COLUMNS = frozenset({"uplink_tensor_density", "downlink_tensor_density"})
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
 #: client reported about itself (bytes it sent and received, residual, the norm of a
@@ -97,6 +99,12 @@ class RoundRecord:
     #: With ``uplink-budget``: the bits a kept value cost under the value codings the
     #: budget chose (mean over the accepted clients, weighted by entries).
     uplink_value_bits: float = math.nan
+    #: With ``downlink-budget``: the same for the compressed downlink payloads the
+    #: server made for this round (per-client catch-ups, or the shared update the
+    #: clients received).
+    downlink_density: float = math.nan
+    downlink_tensor_density: str = ""
+    downlink_value_bits: float = math.nan
 
 
 def machine_facts() -> dict[str, Any]:
@@ -121,6 +129,20 @@ def machine_facts() -> dict[str, Any]:
             **versions}
 
 
+def _choice_summary(choices: Mapping[str, tuple[int, float]], numel: Mapping[str, int]
+                    ) -> tuple[float, float]:
+    """One payload's share of its budgeted entries sent, and bits a kept value."""
+    entries = sum(k for k, _ in choices.values())
+    share = entries / max(sum(numel[name] for name in choices), 1)
+    return share, sum(k * b for k, b in choices.values()) / max(entries, 1)
+
+
+def _tensor_density(kept: Sequence[Mapping[str, tuple[int, float]]],
+                    numel: Mapping[str, int]) -> str:
+    return ";".join(f"{name}={sum(c[name][0] for c in kept) / len(kept) / numel[name]:.6g}"
+                    for name in numel)
+
+
 def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
                      expected: Mapping[str, Any], record: RoundRecord,
                      client_metrics: dict[int, dict[str, float]]) -> None:
@@ -134,9 +156,7 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
     numel = {name: math.prod(expected[name].shape) for name in next(iter(kept.values()))}
     shares, bits = [], []
     for node, choices in kept.items():
-        entries = sum(k for k, _ in choices.values())
-        share = entries / max(sum(numel[name] for name in choices), 1)
-        per_value = sum(k * b for k, b in choices.values()) / max(entries, 1)
+        share, per_value = _choice_summary(choices, numel)
         shares.append(share)
         bits.append(per_value)
         if node in client_metrics:
@@ -144,9 +164,23 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
             client_metrics[node]["uplink-value-bits"] = per_value
     record.uplink_density = float(sum(shares) / len(shares))
     record.uplink_value_bits = float(sum(bits) / len(bits))
-    record.uplink_tensor_density = ";".join(
-        f"{name}={sum(c[name][0] for c in kept.values()) / len(kept) / numel[name]:.6g}"
-        for name in numel)
+    record.uplink_tensor_density = _tensor_density(list(kept.values()), numel)
+
+
+def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
+                              shapes: Mapping[str, Sequence[int]],
+                              record: RoundRecord) -> None:
+    """What ``downlink-budget`` chose for the payloads the server made for this round
+    (``kept`` as :meth:`fedcomp.federated.downlink.Downlink.take_kept` returns it):
+    their mean share of the budgeted entries, bits a kept value, and each tensor's
+    mean share, into the round's row. Nothing without a budgeted payload."""
+    if not kept:
+        return
+    numel = {name: math.prod(shapes[name]) for name in kept[0]}
+    summaries = [_choice_summary(choices, numel) for choices in kept]
+    record.downlink_density = float(sum(s for s, _ in summaries) / len(summaries))
+    record.downlink_value_bits = float(sum(b for _, b in summaries) / len(summaries))
+    record.downlink_tensor_density = _tensor_density(kept, numel)
 
 
 class RunRecorder:
