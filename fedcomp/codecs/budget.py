@@ -184,6 +184,7 @@ class TopKFamily:
         self._configs = [[stage.get_config() for stage in tail] for tail in tails]
         self._first = dataclasses.replace(first, k=0).get_config()
         self._made: dict[tuple[int, int], Pipeline] = {}
+        self._dictionary_specs: tuple[str, ...] | None = None
 
     def with_choice(self, k: int, values: int = 0) -> Pipeline:
         """The template keeping ``k`` entries coded with value coding ``values``."""
@@ -217,8 +218,11 @@ class TopKFamily:
         """Representative members (a few counts in every value coding), whose payload
         headers the layout dictionary holds besides the template's
         (:func:`fedcomp.codecs.wire.layout_dictionary`)."""
-        return tuple(self.with_choice(k, v).spec for k in self.DICTIONARY_COUNTS
-                     if k <= self.numel for v in range(len(self.tails)))
+        if self._dictionary_specs is None:  # asked for at every encode
+            self._dictionary_specs = tuple(
+                self.with_choice(k, v).spec for k in self.DICTIONARY_COUNTS
+                if k <= self.numel for v in range(len(self.tails)))
+        return self._dictionary_specs
 
     def cheapest(self) -> int:
         """The value coding of the smallest payload (one entry)."""
@@ -284,14 +288,20 @@ class ValueModel:
         return (counts * self.bits + chunks * self.side_bits
                 + _log2_binomial(numel, counts) + TENSOR_OVERHEAD_BITS)
 
-    def kept_energy(self, ordered: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def kept_energy(self, ordered: np.ndarray, counts: np.ndarray, *,
+                    prefix: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """The energy the decoded values carry: that of the ``counts`` largest
-        magnitudes (``ordered``, descending) less the value coding's error."""
-        cumulative = np.cumsum(ordered * ordered)
+        magnitudes (``ordered``, descending) less the value coding's error.
+
+        ``prefix``: ``(np.cumsum(ordered * ordered), np.cumsum(ordered))`` when the
+        caller has them (they are the same for every value coding of a tensor)."""
+        cumulative, sums = prefix if prefix is not None else (
+            np.cumsum(ordered * ordered), None)
         squares = cumulative[counts - 1]
         if self.kind == "mean":
             # sum a^2 - error, error = sum (a - mean a)^2 = sum a^2 - (sum a)^2 / k
-            return np.cumsum(ordered)[counts - 1] ** 2 / counts
+            sums = sums if sums is not None else np.cumsum(ordered)
+            return sums[counts - 1] ** 2 / counts
         if self.kind == "uniform":
             # Each chunk's range runs from its most negative to its most positive
             # value: over all chunks those extremes are about the 2 * chunks largest
@@ -351,7 +361,9 @@ def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
     counts = candidate_counts(flat.size)
     ordered = np.sort(flat)[::-1]
     bits = np.concatenate([model.cost_bits(flat.size, counts) for model in models])
-    energy = np.concatenate([model.kept_energy(ordered, counts) for model in models])
+    prefix = (np.cumsum(ordered * ordered), np.cumsum(ordered))  # shared by the codings
+    energy = np.concatenate([model.kept_energy(ordered, counts, prefix=prefix)
+                             for model in models])
     choices = [Choice(int(k), index) for index in range(len(models)) for k in counts]
     # Leaving the tensor out: no bytes, nothing kept.
     bits, energy = np.append(0.0, bits), np.append(0.0, energy)
