@@ -362,7 +362,7 @@ def minimum_payload_bytes(policy: CompressionPolicy,
     families = {name: family for name, shape in shapes.items()
                 if (family := policy.family_for(tuple(shape), name)) is not None}
     sizes = [_encode_choices(update, policy, {
-        other: Choice(1, family.cheapest()) if other == name else Choice(0)
+        other: Choice(1, families[name].cheapest()) if other == name else Choice(0)
         for other in families}, rng=rng, meta={"round": 0}).nbytes for name in families]
     if not sizes:
         return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
