@@ -38,6 +38,21 @@ def test_codec_benchmark_writes_one_row_per_spec_with_the_documented_keys(tmp_pa
     assert "Targets for" in capsys.readouterr().out
 
 
+def test_budget_benchmark_fits_every_payload_in_its_budget(tmp_path, capsys):
+    bench = _load("bench_budget")
+    out = tmp_path / "rows.json"
+    assert bench.main(["--rounds", "2", "--task", "mnist1d", "--budget", "100x",
+                       "--budget", "0.5bpp", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [row["budget"] for row in rows] == ["100x", "0.5bpp"]
+    for row in rows:
+        assert row["parameters"] == 18_826 and row["tensors"] == 31
+        assert 0.9 < row["spent"] <= row["max_spent"] <= 1.0  # never above the budget
+        assert 0 < row["framing_and_header_bytes"] < row["payload_bytes"]
+        assert 0 < row["tensors_sent"] <= 31 and row["encode_s"] > 0
+    assert "tensors sent" in capsys.readouterr().out
+
+
 def test_offline_averages_agree_with_their_definitions():
     averaging = _load("average_offline")
     from fedcomp.federated.averaging import ModelAverage
