@@ -79,6 +79,14 @@ PRESETS: dict[str, Preset] = {
          "downlink-codec-overrides": _PER_LAYER.format(spec="topk:ratio=0.15|quant:bits=4"),
          "downlink-mode": "per-client", "server-optimizer": "adam", "server-lr": 0.01,
          "server-tau": 1e-5, "server-average": 0.9}),
+    "fedcomp-budget": Preset(
+        "fedcomp-best's server with one byte budget each way instead of its per-layer "
+        "codecs: 400x fewer uplink and 40x fewer downlink bytes than fp32, each "
+        "tensor's Top-K count and value coding chosen every round, for any model",
+        {"codec": "topk", "uplink-budget": "400x", "feedback": "ef",
+         "downlink-codec": "topk", "downlink-budget": "40x", "downlink-mode": "per-client",
+         "server-optimizer": "adam", "server-lr": 0.01, "server-tau": 1e-5,
+         "server-average": 0.9}),
 }
 
 #: ``server-optimizer`` spec parameters and the keys they stand for.
