@@ -86,3 +86,39 @@ def test_hostile_payloads_raise_only_payload_error_and_stay_in_bounded_memory():
     assert len(set(reasons) - {"accepted", "checksum"}) >= 6, reasons
     # "invalid" is the decoder's catch-all for a check it lacks: none may be missing.
     assert "invalid" not in reasons, reasons
+
+
+def test_hostile_budgeted_payloads_raise_only_payload_error():
+    """A byte budget's payloads: members of each tensor's family, in several value
+    codings, some tensors left out. Their mutations decode against the families or
+    are rejected with a reason, never with another error; a decoded payload has every
+    expected tensor (zeros for those it leaves out), finite and of its shape."""
+    from fedcomp.codecs.budget import VALUE_CHOICES
+    from fedcomp.codecs.policy import encode_within_budget
+
+    rng = np.random.default_rng(7)
+    policy = CompressionPolicy("topk:ratio=0.01|ternary:mode=mean", budgeted=True,
+                               budget_values=VALUE_CHOICES)
+    expected = policy.expected(SHAPES)
+    numel = sum(int(np.prod(s)) for s in SHAPES.values())
+    reasons: collections.Counter = collections.Counter()
+    left_out = 0
+    for budget in (4 * numel // 30, 4 * numel // 300, 4 * numel // 1000):
+        tensors = {n: _row_scaled(rng.standard_normal(s).astype(np.float32))
+                   for n, s in SHAPES.items()}
+        update = encode_within_budget(tensors, policy, budget, rng=rng, meta={"round": 1})
+        left_out += sum(c.count == 0 for c in update.choices.values())
+        for _ in range(200):
+            _, hostile = mutate(update.payload, rng)
+            try:
+                decoded = unpack_payload(hostile, expected=expected, max_total_numel=10 * numel)
+            except PayloadError as exc:
+                reasons[exc.reason] += 1
+            else:
+                reasons["accepted"] += 1
+                assert set(decoded.tensors) == set(SHAPES)
+                for name, value in decoded.tensors.items():
+                    assert value.shape == SHAPES[name] and value.dtype == np.float32
+                    assert np.isfinite(value).all()
+    assert left_out > 0  # the smallest budget leaves some tensor out
+    assert "invalid" not in reasons and len(set(reasons) - {"accepted"}) >= 4, reasons
