@@ -136,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         for text in args.budget or BUDGETS:
             print(f"  {task} {text} ...", file=sys.stderr, flush=True)
             rows.append(bench(task, text, args.rounds))
+            if args.json:  # after every row, so an interrupted run keeps what it measured
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(rows, indent=1))
     print_table(rows)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=1))
         print(f"wrote {args.json}")
     return 0
 
