@@ -469,39 +469,40 @@ class Allocator:
                 spent += hulls[step].bits[best[step] + 1] - hulls[step].bits[best[step]]
                 best[step] += 1
         choices = {name: hulls[name].choices[i] for name, i in best.items()}
-        return self._top_up(choices, budget_bits - sum(
-            hulls[name].bits[i] for name, i in best.items()))
+        left = budget_bits - sum(hulls[name].bits[i] for name, i in best.items())
+        if (topped := self._top_up(best, left)) is not None:
+            choices[topped[0]] = topped[1]
+        return choices
 
-    def _top_up(self, choices: dict[str, Choice], left: float) -> dict[str, Choice]:
+    def _top_up(self, best: Mapping[str, int], left: float) -> tuple[str, Choice] | None:
         """Spend what is left between grid points: the sent tensor whose next hull
         step (in the same value coding) gains most per bit takes as many more entries
         as fit, its cost being near linear in ``k`` between neighbouring counts. The
         grid alone leaves up to a fifth of a large tensor's share unspent, and the
-        payload's fit to the budget then hunts between two grid points."""
-        best, gain = None, 0.0
-        for name, choice in choices.items():
+        payload's fit to the budget then hunts between two grid points. ``best``: each
+        tensor's hull index; returns the tensor topped up and its new choice (None:
+        none can be)."""
+        step, gain = None, 0.0
+        for name, i in best.items():
             h = self.hulls[name]
-            i = h.choices.index(choice)
-            if choice.count == 0 or i + 1 == len(h.bits) \
-                    or h.choices[i + 1].values != choice.values:
+            if h.choices[i].count == 0 or i + 1 == len(h.bits) \
+                    or h.choices[i + 1].values != h.choices[i].values:
                 continue
             slope = (h.energy[i + 1] - h.energy[i]) / (h.bits[i + 1] - h.bits[i])
-            if best is None or slope > gain:
-                best, gain = name, slope
-        if best is None or left <= 0:
-            return choices
-        h = self.hulls[best]
-        i = h.choices.index(choices[best])
-        values, base = choices[best].values, h.bits[i]
+            if step is None or slope > gain:
+                step, gain = name, slope
+        if step is None or left <= 0:
+            return None
+        h, i = self.hulls[step], best[step]
+        values, base = h.choices[i].values, h.bits[i]
         lo, hi = h.choices[i].count, h.choices[i + 1].count - 1  # the most that fits
         while lo < hi:  # the cost rises with k: bisect the largest count within ``left``
             mid = (lo + hi + 1) // 2
-            if self.choice_bits(best, Choice(mid, values)) - base <= left:
+            if self.choice_bits(step, Choice(mid, values)) - base <= left:
                 lo = mid
             else:
                 hi = mid - 1
-        choices[best] = Choice(lo, values)
-        return choices
+        return step, Choice(lo, values)
 
 
 def next_target(tries: Sequence[tuple[float, int]], budget: int) -> float:

@@ -265,9 +265,11 @@ def _build_layout_dictionary(layout: Layout) -> LayoutDictionary:
 
 
 def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTensor],
+                      left_out: Sequence[tuple[str, tuple[int, ...], str, tuple[str, ...]]] = (),
                       ) -> LayoutDictionary:
     """The header dictionary of a layout: the receiver's expected tensors, or the
-    sender's encoded ones (the same dictionary when names, shapes and specs agree).
+    sender's encoded ones and those it leaves out (see :func:`pack_payload`); the
+    same dictionary when names, shapes and specs agree.
 
     Built once per layout (cached): encoding the reference input costs milliseconds.
     """
@@ -276,12 +278,9 @@ def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTen
                        t.family.dictionary_specs() if t.family is not None else ())
                       for name, t in layout.items())
     else:
-        items = ((t.name, t.shape, t.layout_spec or t.pipeline.spec, t.layout_variants)
-                 for t in layout)
-    return _dictionary_of(_layout_key(items))
-
-
-def _dictionary_of(key: Layout) -> LayoutDictionary:
+        items = [(t.name, t.shape, t.layout_spec or t.pipeline.spec, t.layout_variants)
+                 for t in layout] + list(left_out)
+    key = _layout_key(items)
     if key not in _BUILT:
         if len(_BUILT) >= _MAX_BUILT:
             _BUILT.pop(next(iter(_BUILT)))  # the oldest
@@ -317,9 +316,7 @@ def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | Non
     if len(compressed) < len(header):
         header, flags = compressed, _FLAG_ZSTD_HEADER
     if use_layout_dictionary and (tensors or left_out):
-        dictionary = _dictionary_of(_layout_key(
-            [(t.name, t.shape, t.layout_spec or t.pipeline.spec, t.layout_variants)
-             for t in tensors] + list(left_out)))
+        dictionary = layout_dictionary(tensors, left_out)
         against = dictionary.compress(header_raw)
         if len(against) < len(header):
             header, check = against, dictionary.check
