@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcomp.codecs.budget import VALUE_CHOICES, parse_budget
+from fedcomp.codecs.budget import VALUE_CHOICES, WORTH_MEASURES, parse_budget
 from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.policy import (
     CompressionPolicy,
@@ -111,6 +111,7 @@ class RunConfig:
     downlink_codec_overrides: str = ""
     downlink_budget: str = ""
     budget_values: str = "auto"
+    budget_worth: str = "energy"
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
     downlink_forget_after: int = 0
@@ -283,6 +284,11 @@ class RunConfig:
             raise SpecError(f"run config 'budget-values' must be 'auto' (each budgeted "
                             f"tensor's value coding chosen from {', '.join(VALUE_CHOICES)}) "
                             f"or 'codec' (the codec's own), got {self.budget_values!r}")
+        if self.budget_worth not in WORTH_MEASURES:
+            raise SpecError(f"run config 'budget-worth' must be 'energy' (a tensor's kept "
+                            f"energy as it is) or 'normalized' (in units of its mean square "
+                            f"fresh update, as an adaptive server optimizer sees it), got "
+                            f"{self.budget_worth!r}")
         values = VALUE_CHOICES if self.budget_values == "auto" else ()
         policies = []
         for (codec_key, codec), budget, pairs in zip(
@@ -292,7 +298,8 @@ class RunConfig:
                 policies.append(CompressionPolicy(
                     codec, self.small_codec, self.min_numel, pairs,
                     budgeted=budget is not None,
-                    budget_values=values if budget is not None else ()))
+                    budget_values=values if budget is not None else (),
+                    budget_worth=self.budget_worth))
             except SpecError as exc:
                 side = "uplink" if codec_key == "codec" else "downlink"
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"

@@ -14,7 +14,9 @@ round from what it is about to send:
   keep of each tensor's compensated update (the delta plus its error-feedback
   residual): that of the ``k`` largest entries less the value coding's error
   (:class:`ValueModel`). A tensor whose residual has grown because it sent little
-  before is worth more now, so no tensor starves for good;
+  before is worth more now, so no tensor starves for good. With ``budget-worth =
+  "normalized"`` that energy is counted in units of each tensor's mean square
+  fresh delta (:func:`worth_weights`), as an adaptive server optimizer sees it;
 * **what it costs**: ``k`` values at the value coding's bits, its scales, and the
   positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
   is near;
@@ -59,9 +61,9 @@ from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.sparsify import TopK, _count_from
 from fedcomp.errors import SpecError
 
-__all__ = ["DENSITY_GRID", "MAX_ATTEMPTS", "VALUE_CHOICES", "Allocator", "ByteBudget",
-           "Choice", "TopKFamily", "ValueModel", "candidate_counts", "next_target",
-           "parse_budget", "topk_count", "value_bits"]
+__all__ = ["DENSITY_GRID", "MAX_ATTEMPTS", "VALUE_CHOICES", "WORTH_MEASURES", "Allocator",
+           "ByteBudget", "Choice", "TopKFamily", "ValueModel", "candidate_counts",
+           "next_target", "parse_budget", "topk_count", "value_bits", "worth_weights"]
 
 #: Densities a tensor may be given (k = density * n, at least 1): quarter-octave steps
 #: from all entries down to 2^-16. Fine enough that rounding to the grid costs little,
@@ -383,6 +385,49 @@ def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
     return _Hull(bits[keep], energy[keep], tuple(choices[i] for i in keep))
 
 
+def _weighted(hull: _Hull, weight: float) -> _Hull:
+    if weight == 1.0:
+        return hull
+    return dataclasses.replace(hull, energy=hull.energy * weight)
+
+
+#: The measures of what a tensor's kept energy is worth (``budget-worth``).
+WORTH_MEASURES: tuple[str, ...] = ("energy", "normalized")
+
+
+def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Each budgeted tensor's weight on its kept energy under ``measure``.
+
+    * ``"energy"``: all 1, energy is compared across tensors as it is (the squared
+      error the model receives). Right for a receiver that applies the update as it
+      is (FedAvg's server, a client taking the downlink).
+    * ``"normalized"``: energy in units of the tensor's mean square *fresh* update
+      (this round's delta, without the error-feedback residual), ``numel / sum
+      delta^2``. An adaptive server optimizer (FedAdam, FedYogi) divides each
+      coordinate's step by its running magnitude, so a layer whose updates are small
+      (a convolution beside a large dense layer) moves the model as much per entry as
+      one whose updates are large; plain energy would starve it. A residual that has
+      grown while its tensor waited still raises that tensor's worth, since only the
+      fresh delta sets the unit.
+
+    A tensor whose fresh delta is all zero keeps weight 1.
+
+    Raises
+    ------
+    SpecError
+        If ``measure`` is not one of :data:`WORTH_MEASURES`.
+    """
+    if measure not in WORTH_MEASURES:
+        raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
+                        f"got {measure!r}")
+    weights = {}
+    for name, value in fresh.items():
+        flat = np.asarray(value, dtype=np.float64).reshape(-1)
+        energy = float(np.dot(flat, flat))
+        weights[name] = flat.size / energy if measure == "normalized" and energy > 0 else 1.0
+    return weights
+
+
 class Allocator:
     """Rate-distortion water-filling of one update's budgeted tensors.
 
@@ -400,11 +445,18 @@ class Allocator:
         tensor.
     models
         Each tensor's value codings' models (its family's :attr:`TopKFamily.models`).
+    weights
+        What a unit of each tensor's energy is worth against the others' (1 for a
+        tensor not named; see :func:`worth_weights`). Scaling a tensor's energies
+        leaves its own hull as it is and moves only the exchange rate between tensors.
     """
 
     def __init__(self, tensors: Mapping[str, np.ndarray],
-                 models: Mapping[str, Sequence[ValueModel]]) -> None:
-        self.hulls = {name: _hull(value, models[name]) for name, value in tensors.items()}
+                 models: Mapping[str, Sequence[ValueModel]],
+                 weights: Mapping[str, float] | None = None) -> None:
+        weights = weights or {}
+        self.hulls = {name: _weighted(_hull(value, models[name]), weights.get(name, 1.0))
+                      for name, value in tensors.items()}
         self._models = {name: tuple(models[name]) for name in tensors}
         self._numel = {name: int(np.size(value)) for name, value in tensors.items()}
 

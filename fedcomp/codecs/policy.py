@@ -32,6 +32,7 @@ from fedcomp.codecs.budget import (
     Choice,
     TopKFamily,
     next_target,
+    worth_weights,
 )
 from fedcomp.codecs.feedback import FeedbackMemory, NoFeedback
 from fedcomp.codecs.pipeline import Pipeline
@@ -101,6 +102,10 @@ class CompressionPolicy:
         The value codings a budget chooses from for each tensor (spec strings, e.g.
         :data:`fedcomp.codecs.budget.VALUE_CHOICES`); empty: ``codec``'s own stages
         after its Top-K.
+    budget_worth
+        How a budget weighs one tensor's kept energy against another's (one of
+        :data:`fedcomp.codecs.budget.WORTH_MEASURES`, see
+        :func:`fedcomp.codecs.budget.worth_weights`).
     """
 
     codec: str = "none"
@@ -109,6 +114,7 @@ class CompressionPolicy:
     overrides: tuple[tuple[str, str], ...] = ()
     budgeted: bool = False
     budget_values: tuple[str, ...] = ()
+    budget_worth: str = "energy"
     _pipelines: tuple[Pipeline, Pipeline] = field(init=False, repr=False, compare=False)
     _override_pipelines: tuple[tuple[str, Pipeline], ...] = field(
         init=False, repr=False, compare=False)
@@ -137,6 +143,7 @@ class CompressionPolicy:
         object.__setattr__(self, "_override_pipelines", tuple(override_pipelines))
         if self.budgeted:  # names a codec without a Top-K first, or a bad value coding
             TopKFamily(self._pipelines[0], 1, self.budget_values)
+        worth_weights(self.budget_worth, {})  # a bad measure is named before round 1
 
     @property
     def description(self) -> str:
@@ -148,6 +155,8 @@ class CompressionPolicy:
             text += " / budgeted"
             if self.budget_values:
                 text += f" ({', '.join(self.budget_values)})"
+            if self.budget_worth != "energy":
+                text += f" worth {self.budget_worth}"
         return text
 
     def family_for(self, shape: Sequence[int], name: str | None = None
@@ -319,8 +328,10 @@ def encode_within_budget(
     compensated = memory.compensate(tensors)
     families = {name: family for name, value in compensated.items()
                 if (family := policy.family_for(value.shape, name)) is not None}
+    weights = worth_weights(policy.budget_worth, {name: tensors[name] for name in families})
     allocator = Allocator({name: compensated[name] for name in families},
-                          {name: family.models for name, family in families.items()})
+                          {name: family.models for name, family in families.items()},
+                          weights)
     best: tuple[EncodedUpdate, dict[str, Choice]] | None = None
     tries: list[tuple[float, int]] = []
     target = 8.0 * budget
