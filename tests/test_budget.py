@@ -20,6 +20,7 @@ from fedcomp.codecs.budget import (
     parse_budget,
     topk_count,
     value_bits,
+    worth_weights,
 )
 from fedcomp.codecs.feedback import ErrorFeedback, NoFeedback
 from fedcomp.codecs.pipeline import Pipeline
@@ -211,6 +212,65 @@ def test_more_energy_earns_more_entries_and_a_larger_budget_never_fewer():
     totals = [sum(c.count for c in allocator.allocate(bits).values())
               for bits in (2_000, 8_000, 32_000, 128_000)]
     assert totals == sorted(totals) and totals[0] < totals[-1]
+
+
+def test_worth_weights_are_one_for_energy_and_numel_over_the_fresh_energy_normalized():
+    fresh = {"a": np.full(8, 0.5, np.float32), "b": np.arange(4, dtype=np.float32),
+             "still": np.zeros(3, np.float32)}
+    assert worth_weights("energy", fresh) == {"a": 1.0, "b": 1.0, "still": 1.0}
+    normalized = worth_weights("normalized", fresh)
+    assert normalized["a"] == pytest.approx(8 / 2.0) and normalized["b"] == pytest.approx(4 / 14)
+    assert normalized["still"] == 1.0  # no fresh energy: no unit to measure in
+    with pytest.raises(SpecError, match="'gradient'"):
+        worth_weights("gradient", fresh)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.floats(-3, 3), st.floats(2_000, 60_000))
+def test_normalized_worth_ignores_a_tensors_scale_and_energy_does_not(seed, log_scale,
+                                                                       budget_bits):
+    """Scaling one tensor (its fresh delta and so its compensated update) by any
+    factor leaves every normalized choice as it was: only the shape of each tensor's
+    update, and how far its residual has grown beyond one fresh delta, set its share.
+    A weight of 1 everywhere is plain energy, where a large enough scale moves bits."""
+    base = _update(seed)
+    scaled = {**base, "conv2.weight": base["conv2.weight"] * np.float32(10.0 ** log_scale)}
+    models = {name: MODELS for name in SHAPES}
+
+    def choices(update, measure):
+        return Allocator(update, models, worth_weights(measure, update)).allocate(budget_bits)
+
+    assert choices(scaled, "normalized") == choices(base, "normalized")
+    assert Allocator(base, models, worth_weights("energy", base)).allocate(budget_bits) \
+        == Allocator(base, models).allocate(budget_bits)
+
+
+def test_a_heavier_weight_moves_bits_to_its_tensor():
+    base = _update(0)
+    tensors = {"a": base["fc1.weight"], "b": base["fc1.weight"][::-1].copy()}
+    plain = Allocator(tensors, {"a": [TERNARY], "b": [TERNARY]}).allocate(20_000)
+    heavy = Allocator(tensors, {"a": [TERNARY], "b": [TERNARY]},
+                      {"a": 100.0}).allocate(20_000)
+    assert heavy["a"].count > plain["a"].count and heavy["b"].count < plain["b"].count
+    lifted = Allocator({"a": tensors["a"] * 10, "b": tensors["b"]},
+                       {"a": [TERNARY], "b": [TERNARY]}).allocate(20_000)
+    assert heavy == lifted  # a weight of 100 on the energy is a scale of 10 on the values
+
+
+def test_a_normalized_budget_sends_a_small_scaled_layer_more_than_energy_does():
+    """conv2's updates are a hundredth of the others': plain energy leaves it out,
+    counted in its own units it gets entries like the rest."""
+    budget = parse_budget("300x").payload_bytes(NUMEL)
+    update = _update(3, {"conv2.weight": 0.01})
+    sent = {}
+    for measure in ("energy", "normalized"):
+        policy = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
+                                   budget_values=VALUE_CHOICES, budget_worth=measure)
+        result = encode_within_budget(update, policy, budget, rng=np.random.default_rng(0),
+                                      meta={"round": 1})
+        assert len(result.payload) <= budget
+        sent[measure] = result.choices["conv2.weight"].count
+    assert sent["energy"] == 0 and sent["normalized"] > 0, sent
 
 
 def test_alike_values_get_one_sign_bit_and_spread_values_more_bits():
@@ -415,6 +475,7 @@ def test_the_layout_dictionary_holds_the_family_members_so_their_headers_shrink(
     ({"uplink-budget": "500x", "codec": "quant:bits=4"}, "exact Top-K"),
     ({"uplink-budget": "500x", "shared-randk": 0.1}, "cannot be combined"),
     ({"uplink-budget": "500x", "budget-values": "all"}, "'budget-values'.*'all'"),
+    ({"uplink-budget": "500x", "budget-worth": "curvature"}, "'budget-worth'.*'curvature'"),
 ])
 def test_run_config_refuses_bad_budgets(values, fragment):
     with pytest.raises(SpecError, match=fragment):
