@@ -528,6 +528,10 @@ def test_the_server_reads_each_clients_choices_from_its_payload():
     assert set(shares) == set(sent[1])
     assert float(shares["fc1.weight"]) == pytest.approx(
         np.mean([s["fc1.weight"][0] for s in sent.values()]) / (128 * 784), rel=1e-5)
+    carried = dict(item.split("=") for item in record.uplink_tensor_sent.split(";"))
+    for name in sent[1]:
+        assert float(carried[name]) == pytest.approx(
+            np.mean([s[name][0] > 0 for s in sent.values()]), rel=1e-5)
 
 
 # ---------------------------------------------------------------------------- downlink
@@ -569,6 +573,8 @@ def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode)
             entries = sum(k for k, _ in kept[0].values())
             assert record.downlink_density == pytest.approx(entries / NUMEL)
             assert len(record.downlink_tensor_density.split(";")) == len(SHAPES)
+            assert record.downlink_tensor_sent == ";".join(
+                f"{name}={float(kept[0][name][0] > 0):g}" for name in SHAPES)
         replica.apply(message, server.shapes, policy, initial=initial)
         server.applied(who)
         assert model_digest(replica.model) == server.digest_for(who)

@@ -520,6 +520,7 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
                 clients_ok=2, clients_sampled=2, **(dict(
                     uplink_density=0.02, uplink_value_bits=1.5 + round_,
                     uplink_tensor_density=f"fc1.weight=0.01;conv2={0.1 * round_:g}",
+                    uplink_tensor_sent=f"fc1.weight=1;conv2={0.5 * round_:g}",
                     downlink_density=0.1, downlink_value_bits=4.0,
                     downlink_tensor_density=f"fc1.weight=0.05;conv2={0.2 * round_:g}")
                     if not wire else dict(
@@ -542,7 +543,9 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
     assert not any(line.startswith("| simulated | 4 |") for line in table.splitlines())
     # What the budget chose, as means over the rounds: only the budgeted run has a row.
     chose = table[table.index("| tensor | simulated | simulated, downlink |"):].splitlines()
-    assert chose[2:5] == ["| `fc1.weight` | 1% | 5% |", "| `conv2` | 15% | 30% |",
+    # Uplink: conv2 carried by half the payloads in round 1 and all in round 2.
+    assert chose[2:5] == ["| `fc1.weight` | 1% in 100% | 5% |",
+                          "| `conv2` | 15% in 75% | 30% |",
                           "| bits a kept value | 3.00 | 4.00 |"]
     with pytest.raises(ValueError, match="no sweep"):
         load_runs(tmp_path / "not-a-run")

@@ -377,43 +377,56 @@ def format_wire(methods: list[MethodResult]) -> str | None:
         "|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
+def _mean_tensor_shares(rows: Sequence[Mapping[str, Any]], column: str) -> dict[str, float]:
+    """Each tensor's mean over ``rows`` of a ``name=share;...`` text column."""
+    shares: dict[str, list[float]] = {}
+    for row in rows:
+        text = row.get(column)
+        if isinstance(text, str) and text:
+            for item in text.split(";"):
+                name, _, value = item.partition("=")
+                shares.setdefault(name, []).append(float(value))
+    return {name: statistics.mean(values) for name, values in shares.items()}
+
+
 def format_budget_choices(methods: list[MethodResult]) -> str | None:
     """A markdown table of what byte budgets chose: a row per tensor, a column per
     budgeted method and direction (``uplink-budget``, and ``downlink-budget`` as
-    "METHOD, downlink"), each cell the share of the tensor's entries sent; a last row
-    the bits a kept value cost (means over rounds, payloads and seeds, from
-    ``rounds.csv``'s ``*_tensor_density`` and ``*_value_bits``). None when no run had
-    a budget."""
-    columns: list[tuple[str, dict[str, float], float | None]] = []
+    "METHOD, downlink"), each cell the share of the tensor's entries sent and, where
+    the runs recorded it, the share of payloads that carried the tensor at all
+    ("0.5% in 40%"); a last row the bits a kept value cost (means over rounds,
+    payloads and seeds, from ``rounds.csv``'s ``*_tensor_density``,
+    ``*_tensor_sent`` and ``*_value_bits``). None when no run had a budget."""
+    columns: list[tuple[str, dict[str, float], dict[str, float], float | None]] = []
     names: list[str] = []
     for m in methods:
         for direction, label in (("uplink", m.method), ("downlink", f"{m.method}, downlink")):
-            shares: dict[str, list[float]] = {}
-            bits: list[float] = []
-            for run in m.runs:
-                for row in run.rounds:
-                    text = row.get(f"{direction}_tensor_density")
-                    if isinstance(text, str) and text:
-                        for item in text.split(";"):
-                            name, _, value = item.partition("=")
-                            shares.setdefault(name, []).append(float(value))
-                    value = row.get(f"{direction}_value_bits")
-                    if isinstance(value, float) and math.isfinite(value):
-                        bits.append(value)
+            rows = [row for run in m.runs for row in run.rounds]
+            shares = _mean_tensor_shares(rows, f"{direction}_tensor_density")
+            carried = _mean_tensor_shares(rows, f"{direction}_tensor_sent")
+            bits = [value for row in rows
+                    if isinstance(value := row.get(f"{direction}_value_bits"), float)
+                    and math.isfinite(value)]
             if shares:
                 names += [n for n in shares if n not in names]
-                columns.append((label, {n: statistics.mean(v) for n, v in shares.items()},
+                columns.append((label, shares, carried,
                                 statistics.mean(bits) if bits else None))
     if not columns:
         return None
-    lines = ["| tensor | " + " | ".join(label for label, _, _ in columns) + " |",
+
+    def cell(name: str, shares: dict[str, float], carried: dict[str, float]) -> str:
+        if name not in shares:
+            return "-"
+        text = f"{100 * shares[name]:.3g}%"
+        return text + (f" in {100 * carried[name]:.3g}%" if name in carried else "")
+
+    lines = ["| tensor | " + " | ".join(label for label, _, _, _ in columns) + " |",
              "|---|" + "---|" * len(columns)]
     for name in names:
         lines.append(f"| `{name}` | " + " | ".join(
-            f"{100 * shares[name]:.3g}%" if name in shares else "-"
-            for _, shares, _ in columns) + " |")
+            cell(name, shares, carried) for _, shares, carried, _ in columns) + " |")
     lines.append("| bits a kept value | " + " | ".join(
-        "-" if value_bits is None else f"{value_bits:.2f}" for _, _, value_bits in columns)
+        "-" if value_bits is None else f"{value_bits:.2f}" for _, _, _, value_bits in columns)
         + " |")
     return "\n".join(lines)
 
@@ -623,8 +636,9 @@ def write_report(out_dir: str | Path, target: float | None = None,
                       "against FedAvg's fp32 payload.\n\n" + wire)
     if (choices := format_budget_choices(methods)) is not None:
         tables.append("What the byte budgets chose: the share of each tensor's entries "
-                      "sent, and the bits a kept value cost (means over rounds, clients "
-                      "and seeds).\n\n" + choices)
+                      "sent, \"in\" the share of payloads that carried the tensor at all, "
+                      "and the bits a kept value cost (means over rounds, clients and "
+                      "seeds).\n\n" + choices)
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))

@@ -42,10 +42,12 @@ ROUND_COLUMNS = [
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
     "protocol_down_bytes", "uplink_density", "uplink_tensor_density", "uplink_value_bits",
     "downlink_density", "downlink_tensor_density", "downlink_value_bits",
+    "uplink_tensor_sent", "downlink_tensor_sent",
 ]
 
 #: The columns of ``rounds.csv`` that hold text, not numbers.
-TEXT_ROUND_COLUMNS = frozenset({"uplink_tensor_density", "downlink_tensor_density"})
+TEXT_ROUND_COLUMNS = frozenset({"uplink_tensor_density", "downlink_tensor_density",
+                                "uplink_tensor_sent", "downlink_tensor_sent"})
 
 #: ``clients.csv``: one row per reply the server accepted for decoding, with what the
 #: client reported about itself (bytes it sent and received, residual, the norm of a
@@ -105,6 +107,12 @@ class RoundRecord:
     downlink_density: float = math.nan
     downlink_tensor_density: str = ""
     downlink_value_bits: float = math.nan
+    #: With a budget: the share of the payloads that carried each tensor at all
+    #: (``name=share;...``); a budget may leave a tensor out of a payload, so a tensor
+    #: sent densely now and then and one sent thinly every time can have the same
+    #: ``*_tensor_density``.
+    uplink_tensor_sent: str = ""
+    downlink_tensor_sent: str = ""
 
 
 def machine_facts() -> dict[str, Any]:
@@ -143,6 +151,12 @@ def _tensor_density(kept: Sequence[Mapping[str, tuple[int, float]]],
                     for name in numel)
 
 
+def _tensor_sent(kept: Sequence[Mapping[str, tuple[int, float]]],
+                 numel: Mapping[str, int]) -> str:
+    return ";".join(f"{name}={sum(c[name][0] > 0 for c in kept) / len(kept):.6g}"
+                    for name in numel)
+
+
 def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
                      expected: Mapping[str, Any], record: RoundRecord,
                      client_metrics: dict[int, dict[str, float]]) -> None:
@@ -150,7 +164,8 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
     counts and value codings (``kept``, see
     :class:`fedcomp.federated.aggregation.AggregationResult`): each client's share of
     the budgeted entries and bits per kept value into its ``clients.csv`` row, their
-    means and each tensor's mean share into the round's row."""
+    means, each tensor's mean share and the share of payloads that carried it into
+    the round's row."""
     if not kept:
         return
     numel = {name: math.prod(expected[name].shape) for name in next(iter(kept.values()))}
@@ -165,6 +180,7 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
     record.uplink_density = float(sum(shares) / len(shares))
     record.uplink_value_bits = float(sum(bits) / len(bits))
     record.uplink_tensor_density = _tensor_density(list(kept.values()), numel)
+    record.uplink_tensor_sent = _tensor_sent(list(kept.values()), numel)
 
 
 def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
@@ -172,8 +188,9 @@ def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
                               record: RoundRecord) -> None:
     """What ``downlink-budget`` chose for the payloads the server made for this round
     (``kept`` as :meth:`fedcomp.federated.downlink.Downlink.take_kept` returns it):
-    their mean share of the budgeted entries, bits a kept value, and each tensor's
-    mean share, into the round's row. Nothing without a budgeted payload."""
+    their mean share of the budgeted entries, bits a kept value, each tensor's mean
+    share and the share of payloads that carried it, into the round's row. Nothing
+    without a budgeted payload."""
     if not kept:
         return
     numel = {name: math.prod(shapes[name]) for name in kept[0]}
@@ -181,6 +198,7 @@ def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
     record.downlink_density = float(sum(s for s, _ in summaries) / len(summaries))
     record.downlink_value_bits = float(sum(b for _, b in summaries) / len(summaries))
     record.downlink_tensor_density = _tensor_density(kept, numel)
+    record.downlink_tensor_sent = _tensor_sent(kept, numel)
 
 
 class RunRecorder:
