@@ -287,7 +287,8 @@ class RunConfig:
         if self.budget_worth not in WORTH_MEASURES:
             raise SpecError(f"run config 'budget-worth' must be 'energy' (a tensor's kept "
                             f"energy as it is) or 'normalized' (in units of its mean square "
-                            f"fresh update, as an adaptive server optimizer sees it), got "
+                            f"fresh update, as an adaptive server optimizer sees it; "
+                            f"uplink only), got "
                             f"{self.budget_worth!r}")
         values = VALUE_CHOICES if self.budget_values == "auto" else ()
         policies = []
@@ -299,7 +300,8 @@ class RunConfig:
                     codec, self.small_codec, self.min_numel, pairs,
                     budgeted=budget is not None,
                     budget_values=values if budget is not None else (),
-                    budget_worth=self.budget_worth))
+                    # The downlink's receiver applies what it gets as it is: energy.
+                    budget_worth=self.budget_worth if codec_key == "codec" else "energy"))
             except SpecError as exc:
                 side = "uplink" if codec_key == "codec" else "downlink"
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"

@@ -257,6 +257,13 @@ def test_a_heavier_weight_moves_bits_to_its_tensor():
     assert heavy == lifted  # a weight of 100 on the energy is a scale of 10 on the values
 
 
+def test_the_run_config_weighs_only_the_uplink_by_budget_worth():
+    config = RunConfig.from_mapping({"uplink-budget": "400x", "downlink-budget": "40x",
+                                     "downlink-codec": "topk", "budget-worth": "normalized"})
+    assert config.uplink_policy.budget_worth == "normalized"
+    assert config.downlink_policy.budget_worth == "energy"
+
+
 def test_a_normalized_budget_sends_a_small_scaled_layer_more_than_energy_does():
     """conv2's updates are a hundredth of the others': plain energy leaves it out,
     counted in its own units it gets entries like the rest."""

@@ -15,8 +15,8 @@ round from what it is about to send:
   residual): that of the ``k`` largest entries less the value coding's error
   (:class:`ValueModel`). A tensor whose residual has grown because it sent little
   before is worth more now, so no tensor starves for good. With ``budget-worth =
-  "normalized"`` that energy is counted in units of each tensor's mean square
-  fresh delta (:func:`worth_weights`), as an adaptive server optimizer sees it;
+  "normalized"`` the uplink counts that energy in units of each tensor's mean
+  square fresh delta (:func:`worth_weights`), as an adaptive server optimizer sees it;
 * **what it costs**: ``k`` values at the value coding's bits, its scales, and the
   positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
   is near;
