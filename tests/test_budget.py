@@ -214,33 +214,41 @@ def test_more_energy_earns_more_entries_and_a_larger_budget_never_fewer():
     assert totals == sorted(totals) and totals[0] < totals[-1]
 
 
-def test_worth_weights_are_one_for_energy_and_numel_over_the_fresh_energy_normalized():
+def test_worth_weights_are_one_for_energy_and_powers_of_numel_over_the_fresh_energy():
     fresh = {"a": np.full(8, 0.5, np.float32), "b": np.arange(4, dtype=np.float32),
              "still": np.zeros(3, np.float32)}
     assert worth_weights("energy", fresh) == {"a": 1.0, "b": 1.0, "still": 1.0}
-    normalized = worth_weights("normalized", fresh)
+    adaptive, normalized = worth_weights("adaptive", fresh), worth_weights("normalized", fresh)
     assert normalized["a"] == pytest.approx(8 / 2.0) and normalized["b"] == pytest.approx(4 / 14)
-    assert normalized["still"] == 1.0  # no fresh energy: no unit to measure in
+    assert adaptive["a"] == pytest.approx(2.0) and adaptive["b"] == pytest.approx((4 / 14) ** 0.5)
+    assert adaptive["still"] == normalized["still"] == 1.0  # no fresh energy: no unit
     with pytest.raises(SpecError, match="'gradient'"):
         worth_weights("gradient", fresh)
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.floats(-3, 3), st.floats(2_000, 60_000))
-def test_normalized_worth_ignores_a_tensors_scale_and_energy_does_not(seed, log_scale,
-                                                                       budget_bits):
-    """Scaling one tensor (its fresh delta and so its compensated update) by any
-    factor leaves every normalized choice as it was: only the shape of each tensor's
-    update, and how far its residual has grown beyond one fresh delta, set its share.
-    A weight of 1 everywhere is plain energy, where a large enough scale moves bits."""
+def test_a_tensors_scale_counts_fully_under_energy_half_adaptive_and_not_normalized(
+        seed, log_scale, budget_bits):
+    """Scaling one tensor (its fresh delta and so its compensated update) by ``c``:
+    normalized choices stay as they were (only the shape of each update, and how far
+    a residual has grown beyond one fresh delta, set a share); adaptive ones are the
+    energy choices of that tensor scaled by ``sqrt(c)``, its weight ``1 / rms``
+    taking back half of the ``c^2`` on its energy."""
     base = _update(seed)
-    scaled = {**base, "conv2.weight": base["conv2.weight"] * np.float32(10.0 ** log_scale)}
+    scale = 10.0 ** log_scale
+
+    def scaled(factor):
+        return {**base, "conv2.weight": base["conv2.weight"] * np.float32(factor)}
+
     models = {name: MODELS for name in SHAPES}
 
     def choices(update, measure):
         return Allocator(update, models, worth_weights(measure, update)).allocate(budget_bits)
 
-    assert choices(scaled, "normalized") == choices(base, "normalized")
+    assert choices(scaled(scale), "normalized") == choices(base, "normalized")
+    assert choices(scaled(scale), "adaptive") == Allocator(
+        scaled(scale ** 0.5), models, worth_weights("adaptive", base)).allocate(budget_bits)
     assert Allocator(base, models, worth_weights("energy", base)).allocate(budget_bits) \
         == Allocator(base, models).allocate(budget_bits)
 
@@ -259,8 +267,8 @@ def test_a_heavier_weight_moves_bits_to_its_tensor():
 
 def test_the_run_config_weighs_only_the_uplink_by_budget_worth():
     config = RunConfig.from_mapping({"uplink-budget": "400x", "downlink-budget": "40x",
-                                     "downlink-codec": "topk", "budget-worth": "normalized"})
-    assert config.uplink_policy.budget_worth == "normalized"
+                                     "downlink-codec": "topk", "budget-worth": "adaptive"})
+    assert config.uplink_policy.budget_worth == "adaptive"
     assert config.downlink_policy.budget_worth == "energy"
 
 

@@ -15,8 +15,8 @@ round from what it is about to send:
   residual): that of the ``k`` largest entries less the value coding's error
   (:class:`ValueModel`). A tensor whose residual has grown because it sent little
   before is worth more now, so no tensor starves for good. With ``budget-worth =
-  "normalized"`` the uplink counts that energy in units of each tensor's mean
-  square fresh delta (:func:`worth_weights`), as an adaptive server optimizer sees it;
+  "adaptive"`` the uplink divides that energy by the rms of each tensor's fresh
+  delta (:func:`worth_weights`), as an adaptive server optimizer scales its steps;
 * **what it costs**: ``k`` values at the value coding's bits, its scales, and the
   positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
   is near;
@@ -392,23 +392,32 @@ def _weighted(hull: _Hull, weight: float) -> _Hull:
 
 
 #: The measures of what a tensor's kept energy is worth (``budget-worth``).
-WORTH_MEASURES: tuple[str, ...] = ("energy", "normalized")
+WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive", "normalized")
 
 
 def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, float]:
     """Each budgeted tensor's weight on its kept energy under ``measure``.
 
-    * ``"energy"``: all 1, energy is compared across tensors as it is (the squared
-      error the model receives). Right for a receiver that applies the update as it
-      is (FedAvg's server, a client taking the downlink).
-    * ``"normalized"``: energy in units of the tensor's mean square *fresh* update
-      (this round's delta, without the error-feedback residual), ``numel / sum
-      delta^2``. An adaptive server optimizer (FedAdam, FedYogi) divides each
-      coordinate's step by its running magnitude, so a layer whose updates are small
-      (a convolution beside a large dense layer) moves the model as much per entry as
-      one whose updates are large; plain energy would starve it. A residual that has
-      grown while its tensor waited still raises that tensor's worth, since only the
-      fresh delta sets the unit.
+    What sending an entry of value ``d`` is worth is, to first order, how much the
+    server's step that it causes lowers the loss: the loss's gradient there (about
+    ``-d`` over the local learning rate and steps, for a client that ran SGD) times
+    that step.
+
+    * ``"energy"``: all 1. A server that applies the mean update as it is (FedAvg,
+      server SGD) steps ``d``, so an entry is worth ``d^2``: the energy kept,
+      compared across tensors as it is.
+    * ``"adaptive"``: ``1 / rms`` of the tensor's *fresh* update (this round's delta,
+      without the error-feedback residual), ``sqrt(numel / sum delta^2)``. An
+      adaptive server optimizer (FedAdam, FedYogi) divides each coordinate's step by
+      its running magnitude, which the fresh delta's rms stands in for, so it steps
+      ``d / rms`` and the entry is worth ``d^2 / rms``: a layer whose updates are
+      small (a convolution beside a large dense layer) gains against one whose
+      updates are large, and a residual that has grown while its tensor waited
+      still raises that tensor's worth.
+    * ``"normalized"``: ``1 / rms^2``, energy in units of the tensor's mean square
+      fresh delta (each entry's step counted in squared units of its own scale,
+      not weighed by the gradient): every tensor is worth the same per entry, so a
+      small tensor (a bias, a norm's scale) rarely earns its header's bytes.
 
     A tensor whose fresh delta is all zero keeps weight 1.
 
@@ -420,11 +429,12 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
     if measure not in WORTH_MEASURES:
         raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
                         f"got {measure!r}")
+    power = {"energy": 0.0, "adaptive": 0.5, "normalized": 1.0}[measure]
     weights = {}
     for name, value in fresh.items():
         flat = np.asarray(value, dtype=np.float64).reshape(-1)
         energy = float(np.dot(flat, flat))
-        weights[name] = flat.size / energy if measure == "normalized" and energy > 0 else 1.0
+        weights[name] = (flat.size / energy) ** power if power and energy > 0 else 1.0
     return weights
 
 
