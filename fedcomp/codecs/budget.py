@@ -359,9 +359,10 @@ class _Hull:
 
 
 def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
-    flat = np.abs(np.asarray(values, dtype=np.float32).reshape(-1)).astype(np.float64)
+    flat = np.abs(np.asarray(values, dtype=np.float32).reshape(-1))
     counts = candidate_counts(flat.size)
-    ordered = np.sort(flat)[::-1]
+    # Sorted in float32 (twice as fast), then widened: the same numbers in the same order.
+    ordered = np.sort(flat)[::-1].astype(np.float64)
     bits = np.concatenate([model.cost_bits(flat.size, counts) for model in models])
     prefix = (np.cumsum(ordered * ordered), np.cumsum(ordered))  # shared by the codings
     energy = np.concatenate([model.kept_energy(ordered, counts, prefix=prefix)
@@ -430,11 +431,14 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
         raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
                         f"got {measure!r}")
     power = {"energy": 0.0, "adaptive": 0.5, "normalized": 1.0}[measure]
-    weights = {}
+    weights = {name: 1.0 for name in fresh}
+    if not power:
+        return weights
     for name, value in fresh.items():
         flat = np.asarray(value, dtype=np.float64).reshape(-1)
         energy = float(np.dot(flat, flat))
-        weights[name] = (flat.size / energy) ** power if power and energy > 0 else 1.0
+        if energy > 0:
+            weights[name] = (flat.size / energy) ** power
     return weights
 
 
