@@ -214,27 +214,26 @@ def test_more_energy_earns_more_entries_and_a_larger_budget_never_fewer():
     assert totals == sorted(totals) and totals[0] < totals[-1]
 
 
-def test_worth_weights_are_one_for_energy_and_powers_of_numel_over_the_fresh_energy():
+def test_worth_weights_are_one_for_energy_and_one_over_the_fresh_rms_adaptive():
     fresh = {"a": np.full(8, 0.5, np.float32), "b": np.arange(4, dtype=np.float32),
              "still": np.zeros(3, np.float32)}
     assert worth_weights("energy", fresh) == {"a": 1.0, "b": 1.0, "still": 1.0}
-    adaptive, normalized = worth_weights("adaptive", fresh), worth_weights("normalized", fresh)
-    assert normalized["a"] == pytest.approx(8 / 2.0) and normalized["b"] == pytest.approx(4 / 14)
+    adaptive = worth_weights("adaptive", fresh)
     assert adaptive["a"] == pytest.approx(2.0) and adaptive["b"] == pytest.approx((4 / 14) ** 0.5)
-    assert adaptive["still"] == normalized["still"] == 1.0  # no fresh energy: no unit
-    with pytest.raises(SpecError, match="'gradient'"):
-        worth_weights("gradient", fresh)
+    assert adaptive["still"] == 1.0  # no fresh energy: no scale to divide by
+    for measure in ("gradient", "normalized"):
+        with pytest.raises(SpecError, match=repr(measure)):
+            worth_weights(measure, fresh)
 
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.floats(-3, 3), st.floats(2_000, 60_000))
-def test_a_tensors_scale_counts_fully_under_energy_half_adaptive_and_not_normalized(
+def test_adaptive_worth_counts_a_tensors_scale_as_energy_counts_its_square_root(
         seed, log_scale, budget_bits):
-    """Scaling one tensor (its fresh delta and so its compensated update) by ``c``:
-    normalized choices stay as they were (only the shape of each update, and how far
-    a residual has grown beyond one fresh delta, set a share); adaptive ones are the
-    energy choices of that tensor scaled by ``sqrt(c)``, its weight ``1 / rms``
-    taking back half of the ``c^2`` on its energy."""
+    """Scaling one tensor (its fresh delta and so its compensated update) by ``c``
+    multiplies its energy by ``c^2`` and its weight ``1 / rms`` by ``1 / c``: the
+    adaptive choices are those of that tensor scaled by ``sqrt(c)`` under the
+    weights of the unscaled update. Plain energy is a weight of 1 everywhere."""
     base = _update(seed)
     scale = 10.0 ** log_scale
 
@@ -242,13 +241,10 @@ def test_a_tensors_scale_counts_fully_under_energy_half_adaptive_and_not_normali
         return {**base, "conv2.weight": base["conv2.weight"] * np.float32(factor)}
 
     models = {name: MODELS for name in SHAPES}
-
-    def choices(update, measure):
-        return Allocator(update, models, worth_weights(measure, update)).allocate(budget_bits)
-
-    assert choices(scaled(scale), "normalized") == choices(base, "normalized")
-    assert choices(scaled(scale), "adaptive") == Allocator(
-        scaled(scale ** 0.5), models, worth_weights("adaptive", base)).allocate(budget_bits)
+    update = scaled(scale)
+    assert Allocator(update, models, worth_weights("adaptive", update)).allocate(
+        budget_bits) == Allocator(scaled(scale ** 0.5), models,
+                                  worth_weights("adaptive", base)).allocate(budget_bits)
     assert Allocator(base, models, worth_weights("energy", base)).allocate(budget_bits) \
         == Allocator(base, models).allocate(budget_bits)
 
@@ -272,20 +268,20 @@ def test_the_run_config_weighs_only_the_uplink_by_budget_worth():
     assert config.downlink_policy.budget_worth == "energy"
 
 
-def test_a_normalized_budget_sends_a_small_scaled_layer_more_than_energy_does():
-    """conv2's updates are a hundredth of the others': plain energy leaves it out,
-    counted in its own units it gets entries like the rest."""
+def test_an_adaptive_budget_sends_a_large_layer_of_small_entries_more_than_energy_does():
+    """fc1's entries move 0.8 times as much as the others': plain energy leaves it
+    out, counted over its rms (a fifth of its energy given back) it is sent."""
     budget = parse_budget("300x").payload_bytes(NUMEL)
-    update = _update(3, {"conv2.weight": 0.01})
+    update = _update(3, {"fc1.weight": 0.8})
     sent = {}
-    for measure in ("energy", "normalized"):
+    for measure in ("energy", "adaptive"):
         policy = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
                                    budget_values=VALUE_CHOICES, budget_worth=measure)
         result = encode_within_budget(update, policy, budget, rng=np.random.default_rng(0),
                                       meta={"round": 1})
         assert len(result.payload) <= budget
-        sent[measure] = result.choices["conv2.weight"].count
-    assert sent["energy"] == 0 and sent["normalized"] > 0, sent
+        sent[measure] = result.choices["fc1.weight"].count
+    assert sent["energy"] == 0 and sent["adaptive"] > 0, sent
 
 
 def test_alike_values_get_one_sign_bit_and_spread_values_more_bits():

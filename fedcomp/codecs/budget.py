@@ -393,7 +393,7 @@ def _weighted(hull: _Hull, weight: float) -> _Hull:
 
 
 #: The measures of what a tensor's kept energy is worth (``budget-worth``).
-WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive", "normalized")
+WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive")
 
 
 def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -411,14 +411,15 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
       without the error-feedback residual), ``sqrt(numel / sum delta^2)``. An
       adaptive server optimizer (FedAdam, FedYogi) divides each coordinate's step by
       its running magnitude, which the fresh delta's rms stands in for, so it steps
-      ``d / rms`` and the entry is worth ``d^2 / rms``: a layer whose updates are
-      small (a convolution beside a large dense layer) gains against one whose
-      updates are large, and a residual that has grown while its tensor waited
-      still raises that tensor's worth.
-    * ``"normalized"``: ``1 / rms^2``, energy in units of the tensor's mean square
-      fresh delta (each entry's step counted in squared units of its own scale,
-      not weighed by the gradient): every tensor is worth the same per entry, so a
-      small tensor (a bias, a norm's scale) rarely earns its header's bytes.
+      ``d / rms`` and the entry is worth ``d^2 / rms``: a layer whose entries each
+      move little (a large dense layer) gains against one whose entries move much
+      (biases, a norm's scale), and a residual that has grown while its tensor
+      waited still raises that tensor's worth.
+
+    Dividing by the mean square instead (every entry worth the same in its own
+    tensor's units) is not offered: it ignores that the loss falls by the gradient
+    times the step, so it starves small tensors (norms, biases) whose entries each
+    cost a header's bytes.
 
     A tensor whose fresh delta is all zero keeps weight 1.
 
@@ -430,15 +431,14 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
     if measure not in WORTH_MEASURES:
         raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
                         f"got {measure!r}")
-    power = {"energy": 0.0, "adaptive": 0.5, "normalized": 1.0}[measure]
     weights = {name: 1.0 for name in fresh}
-    if not power:
+    if measure == "energy":
         return weights
     for name, value in fresh.items():
         flat = np.asarray(value, dtype=np.float64).reshape(-1)
         energy = float(np.dot(flat, flat))
         if energy > 0:
-            weights[name] = (flat.size / energy) ** power
+            weights[name] = (flat.size / energy) ** 0.5
     return weights
 
 
