@@ -179,8 +179,9 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
             client_metrics[node]["uplink-value-bits"] = per_value
     record.uplink_density = float(sum(shares) / len(shares))
     record.uplink_value_bits = float(sum(bits) / len(bits))
-    record.uplink_tensor_density = _tensor_density(list(kept.values()), numel)
-    record.uplink_tensor_sent = _tensor_sent(list(kept.values()), numel)
+    payloads = list(kept.values())
+    record.uplink_tensor_density = _tensor_density(payloads, numel)
+    record.uplink_tensor_sent = _tensor_sent(payloads, numel)
 
 
 def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
