@@ -42,6 +42,7 @@ from fedcomp.codecs.policy import (  # noqa: E402
     CompressionPolicy,
     encode_update,
     encode_within_budget,
+    smallest_budget_bytes,
 )
 from fedcomp.codecs.wire import unpack_payload  # noqa: E402
 from fedcomp.tasks.models import model_shapes  # noqa: E402
@@ -70,6 +71,12 @@ def bench(task: str, text: str, rounds: int) -> dict[str, Any]:
     policy = CompressionPolicy(FIXED_SPEC, budgeted=True, budget_values=VALUE_CHOICES)
     fixed = CompressionPolicy(FIXED_SPEC, min_numel=0)
     budget = parse_budget(text).payload_bytes(numel)
+    row: dict[str, Any] = {"task": task, "budget": text, "parameters": numel,
+                           "tensors": len(shapes), "budget_bytes": budget}
+    smallest = smallest_budget_bytes(policy, shapes)
+    if budget < smallest:  # a run refuses it before round 1 (RunConfig.check_budgets)
+        return {**row, "refused": True, "smallest_budget_bytes": smallest,
+                "largest_factor": int(4 * numel / smallest)}
     expected = policy.expected(shapes)
     memory = ErrorFeedback(policy.description)
     rng = np.random.default_rng(0)
@@ -95,8 +102,7 @@ def bench(task: str, text: str, rounds: int) -> dict[str, Any]:
             decode_s.append(decode_time)
             fixed_s.append(fixed_time)
     return {
-        "task": task, "budget": text, "parameters": numel, "tensors": len(shapes),
-        "budget_bytes": budget, "payload_bytes": statistics.mean(sizes),
+        **row, "refused": False, "payload_bytes": statistics.mean(sizes),
         "spent": statistics.mean(sizes) / budget, "max_spent": max(sizes) / budget,
         "framing_and_header_bytes": statistics.mean(headers),
         "tensors_sent": statistics.mean(sent),
@@ -108,18 +114,24 @@ def bench(task: str, text: str, rounds: int) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     titles = ["task", "budget", "budget B", "payload B", "spent", "max", "header B",
               "tensors sent", "enc ms", "dec ms", f"enc ms, {FIXED_SPEC} everywhere"]
+    measured = [r for r in rows if not r["refused"]]
     cells = [[r["task"], r["budget"], f"{r['budget_bytes']:,}", f"{r['payload_bytes']:,.0f}",
               f"{100 * r['spent']:.1f}%", f"{100 * r['max_spent']:.1f}%",
               f"{r['framing_and_header_bytes']:.0f}",
               f"{r['tensors_sent']:.1f} / {r['tensors']}", f"{1000 * r['encode_s']:.1f}",
               f"{1000 * r['decode_s']:.1f}", f"{1000 * r['fixed_encode_s']:.1f}"]
-             for r in rows]
-    widths = [max(len(t), *(len(c[i]) for c in cells)) for i, t in enumerate(titles)]
+             for r in measured]
+    widths = [max([len(t), *(len(c[i]) for c in cells)]) for i, t in enumerate(titles)]
     print("  ".join(t.ljust(w) if i < 2 else t.rjust(w)
                     for i, (t, w) in enumerate(zip(titles, widths, strict=True))))
     for row in cells:
         print("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(row, widths, strict=True))))
+    for r in rows:
+        if r["refused"]:  # as a run would refuse it, before round 1
+            print(f"{r['task']} {r['budget']} ({r['budget_bytes']:,} B): refused, below the "
+                  f"smallest budget of this model, {r['smallest_budget_bytes']:,} B "
+                  f"({r['largest_factor']}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,8 +23,8 @@ from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.policy import (
     CompressionPolicy,
     encoder_fingerprint,
-    minimum_payload_bytes,
     parse_overrides,
+    smallest_budget_bytes,
 )
 from fedcomp.codecs.wire import ExpectedTensor
 from fedcomp.errors import SpecError
@@ -361,9 +361,7 @@ class RunConfig:
             if budget is None:
                 continue
             numel = sum(math.prod(shape) for shape in shapes.values())
-            floor = minimum_payload_bytes(policy, shapes)
-            # A little room over the floor: real updates code a few bytes either way.
-            need = int(floor * 1.05) + 16
+            need = smallest_budget_bytes(policy, shapes)
             if budget.payload_bytes(numel) < need:
                 fixed = [name for name, shape in shapes.items()
                          if policy.family_for(tuple(shape), name) is None]

@@ -53,6 +53,24 @@ def test_budget_benchmark_fits_every_payload_in_its_budget(tmp_path, capsys):
     assert "tensors sent" in capsys.readouterr().out
 
 
+def test_budget_benchmark_refuses_a_budget_a_run_would_refuse(tmp_path, capsys):
+    bench = _load("bench_budget")
+    from fedcomp.config import RunConfig
+    from fedcomp.errors import SpecError
+    from fedcomp.tasks.models import model_shapes
+
+    out = tmp_path / "rows.json"
+    assert bench.main(["--rounds", "2", "--task", "mnist1d", "--budget", "1000x",
+                       "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["refused"] and row["budget_bytes"] < row["smallest_budget_bytes"]
+    assert "payload_bytes" not in row  # nothing was encoded
+    with pytest.raises(SpecError, match=f"use at most '{row['largest_factor']}x'"):
+        RunConfig.from_mapping({"preset": "fedcomp-budget", "uplink-budget": "1000x"}
+                               ).check_budgets(model_shapes("mnist1d"))
+    assert f"({row['largest_factor']}x)" in capsys.readouterr().out
+
+
 def test_offline_averages_agree_with_their_definitions():
     averaging = _load("average_offline")
     from fedcomp.federated.averaging import ModelAverage

@@ -42,7 +42,7 @@ from fedcomp.errors import SpecError
 
 __all__ = ["BudgetError", "CompressionPolicy", "EncodedUpdate", "encode_update",
            "encode_within_budget", "encoder_fingerprint", "minimum_payload_bytes",
-           "parse_overrides"]
+           "parse_overrides", "smallest_budget_bytes"]
 
 #: Most per-tensor overrides one policy may hold.
 MAX_OVERRIDES = 64
@@ -378,6 +378,14 @@ def minimum_payload_bytes(policy: CompressionPolicy,
     if not sizes:
         return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
     return min(sizes)
+
+
+def smallest_budget_bytes(policy: CompressionPolicy,
+                          shapes: Mapping[str, Sequence[int]]) -> int:
+    """The smallest byte budget a run accepts for a model of ``shapes``:
+    :func:`minimum_payload_bytes` with a little room (5% and 16 bytes), since real
+    updates code a few bytes either way of the reference update's."""
+    return int(minimum_payload_bytes(policy, shapes) * 1.05) + 16
 
 
 def encoder_fingerprint(policies: Sequence[CompressionPolicy],
