@@ -11,6 +11,7 @@ import pytest
 from fedcomp.config import RunConfig
 from fedcomp.errors import SpecError
 from fedcomp.ops.report import (
+    budget_choice_series,
     build_report,
     bytes_to_target,
     current_encoder,
@@ -533,7 +534,15 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
     assert budgeted["uplink_tensor_density"] == "fc1.weight=0.01;conv2=0.1"
     assert budgeted["uplink_density"] == 0.02
     assert [r.method for r in load_runs(tmp_path / "deployed")] == ["deployed"]
-    table, _ = write_report(tmp_path, target=0.65)
+    table, paths = write_report(tmp_path, target=0.65)
+    # Only the budgeted run has choices to plot, round by round.
+    assert (tmp_path / "budget_choices.png") in paths
+    simulated = build_report(load_runs(tmp_path), 0.65)[1][1]
+    assert simulated.method == "simulated"
+    assert budget_choice_series(simulated, "uplink") == {
+        "fc1.weight": ([1, 2], [0.01, 0.01]), "conv2": ([1, 2], [0.1, 0.2])}
+    assert budget_choice_series(simulated, "downlink")["conv2"] == ([1, 2], [0.2, 0.4])
+    assert budget_choice_series(build_report(load_runs(tmp_path), 0.65)[1][0], "uplink") == {}
     wire_rows = [line for line in table.splitlines()
                  if line.startswith("| deployed | 4 |")]
     # 15 kB up and 7 kB down per node and round; the payloads: 80x up, 32x in all.

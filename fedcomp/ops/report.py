@@ -6,6 +6,8 @@ groups runs into *methods* (all grid values but the seed), and writes:
 * ``accuracy_vs_uplink.png``: accuracy against cumulative uplink MB (log axis),
   the picture this field judges compression methods by;
 * ``accuracy_vs_round.png``;
+* ``budget_choices.png`` where runs had a byte budget: each tensor's share of
+  entries sent, round by round, per budgeted method and direction;
 * ``report.md`` and a printed table: for a target accuracy (by default the best
   accuracy of the plain FedAvg runs minus one point), the cumulative uplink and
   total bytes at the first round each method reaches it, and the factor against
@@ -377,16 +379,40 @@ def format_wire(methods: list[MethodResult]) -> str | None:
         "|---|---|---|---|---|---|---|---|---|---|", *rows])
 
 
+def _tensor_shares(text: Any) -> dict[str, float]:
+    """A ``name=share;...`` cell of ``rounds.csv`` as a mapping (empty when blank)."""
+    if not isinstance(text, str) or not text:
+        return {}
+    return {name: float(value) for name, _, value in
+            (item.partition("=") for item in text.split(";"))}
+
+
 def _mean_tensor_shares(rows: Sequence[Mapping[str, Any]], column: str) -> dict[str, float]:
     """Each tensor's mean over ``rows`` of a ``name=share;...`` text column."""
     shares: dict[str, list[float]] = {}
     for row in rows:
-        text = row.get(column)
-        if isinstance(text, str) and text:
-            for item in text.split(";"):
-                name, _, value = item.partition("=")
-                shares.setdefault(name, []).append(float(value))
+        for name, value in _tensor_shares(row.get(column)).items():
+            shares.setdefault(name, []).append(value)
     return {name: statistics.mean(values) for name, values in shares.items()}
+
+
+def budget_choice_series(method: MethodResult, direction: str
+                         ) -> dict[str, tuple[list[int], list[float]]]:
+    """What a budget chose round by round: each tensor's share of entries sent
+    (``rounds.csv``'s ``{direction}_tensor_density``), mean over the seeds that
+    recorded the round, as ``{tensor: (rounds, shares)}``; empty without a budget."""
+    by_round: dict[int, dict[str, list[float]]] = {}
+    for run in method.runs:
+        for row in run.rounds:
+            for name, value in _tensor_shares(row.get(f"{direction}_tensor_density")).items():
+                by_round.setdefault(int(row["round"]), {}).setdefault(name, []).append(value)
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for rnd in sorted(by_round):
+        for name, values in by_round[rnd].items():
+            rounds, shares = series.setdefault(name, ([], []))
+            rounds.append(rnd)
+            shares.append(statistics.mean(values))
+    return series
 
 
 def format_budget_choices(methods: list[MethodResult]) -> str | None:
@@ -525,6 +551,43 @@ def plot_runs(methods: list[MethodResult], out_dir: Path, target: float) -> list
     return paths
 
 
+def plot_budget_choices(methods: list[MethodResult], out_dir: Path) -> Path | None:
+    """Write ``budget_choices.png``: a panel per budgeted method and direction, each
+    tensor's share of entries sent against the round (log axis; a round where every
+    payload left a tensor out has no point), so a reader sees how the controller
+    moves bytes between tensors as training goes. None when no run had a budget."""
+    panels = [(f"{m.method}: {direction}", series) for m in methods
+              for direction in ("uplink", "downlink")
+              if (series := budget_choice_series(m, direction))]
+    if not panels:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.8 * len(panels)), dpi=100,
+                             sharex=True, squeeze=False)
+    names = list(dict.fromkeys(name for _, series in panels for name in series))
+    for ax, (title, series) in zip(axes[:, 0], panels, strict=True):
+        for name, (rounds, shares) in series.items():
+            ax.plot(rounds, [s if s > 0 else math.nan for s in shares], lw=1.0,
+                    label=name, **_line_style(names.index(name)))
+        ax.set_yscale("log")
+        ax.set_ylabel("share of entries sent")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("round")
+    handles = {h.get_label(): h for ax in axes[:, 0] for h in ax.get_lines()}
+    axes[-1, 0].legend([handles[n] for n in names], names, fontsize=7, loc="upper left",
+                       bbox_to_anchor=(0.0, -0.25), ncol=2 if len(names) > 8 else 1,
+                       frameon=False)
+    path = out_dir / "budget_choices.png"
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def encoder_note(runs: Sequence[RunResult],
                  fingerprint: Callable[[Mapping[str, Any]], str] | None = None) -> str:
     """A warning when some runs' bytes did not come from this code; else ``""``.
@@ -644,7 +707,10 @@ def write_report(out_dir: str | Path, target: float | None = None,
                       + format_accuracy_at_rounds(methods, at_rounds))
     note = encoder_note(runs, fingerprint)
     table = "\n\n".join(([note] if note else []) + tables)
-    paths = plot_runs(select_methods(methods, plot_methods), out, target)
+    selected = select_methods(methods, plot_methods)
+    paths = plot_runs(selected, out, target)
+    if (choices_plot := plot_budget_choices(selected, out)) is not None:
+        paths.append(choices_plot)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(
         f"![{p.stem}]({p.name})" for p in paths) + "\n")
     return table, paths
