@@ -308,13 +308,18 @@ class RunConfig:
         object.__setattr__(self, "_policies", tuple(policies))
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
-        """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors."""
+    def from_mapping(cls, values: Mapping[str, Any], *, explicit: bool = False) -> RunConfig:
+        """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors.
+
+        ``explicit``: ``values`` holds only the keys the user set (a sweep file), so
+        each of them wins over a preset even at its default (see
+        :func:`fedcomp.presets.expand`); a Flower ``run_config`` holds every key.
+        """
         by_key = {config_key(f.name): f.name for f in dataclasses.fields(cls)
                   if not f.name.startswith("_")}
         values = expand_presets(values, {config_key(f.name): f.default
                                          for f in dataclasses.fields(cls)
-                                         if not f.name.startswith("_")})
+                                         if not f.name.startswith("_")}, explicit=explicit)
         unknown = sorted(set(values) - set(by_key))
         if unknown:
             raise SpecError(f"unknown run config key(s) {', '.join(map(repr, unknown))}; "

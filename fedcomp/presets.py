@@ -111,13 +111,18 @@ def _optimizer_spec(spec: str) -> dict[str, Any]:
     return out
 
 
-def expand(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+def expand(values: Mapping[str, Any], defaults: Mapping[str, Any], *,
+           explicit: bool = False) -> dict[str, Any]:
     """Run-config ``values`` with ``preset`` and a ``server-optimizer`` spec expanded.
 
     A preset's setting applies where ``values`` leaves the key out or at its default
-    (Flower hands a ClientApp or ServerApp every key, defaults included), so a key
-    set to anything else wins. A key given both inside a ``server-optimizer`` spec
-    and on its own (not at its default) is refused as ambiguous.
+    (Flower hands a ClientApp or ServerApp every key, defaults included, so a key the
+    user set to its default cannot be told from one left alone), so a key set to
+    anything else wins. With ``explicit`` (``values`` holds only the keys the user
+    wrote, as in a sweep file) every key given wins, its default included: a sweep
+    can ablate a preset's setting back to the default. A key given both inside a
+    ``server-optimizer`` spec and on its own (not at its default) is refused as
+    ambiguous.
 
     Raises
     ------
@@ -131,7 +136,7 @@ def expand(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, 
             raise SpecError(f"run config 'preset' = {name!r} is not a preset; known: "
                             f"{', '.join(PRESETS)} (`fedcomp presets` lists their keys)")
         for key, value in PRESETS[name].settings.items():
-            if key not in values or values[key] == defaults.get(key):
+            if key not in values or (not explicit and values[key] == defaults.get(key)):
                 out[key] = value
     optimizer = out.get("server-optimizer")
     if isinstance(optimizer, str) and ":" in optimizer:

@@ -28,6 +28,52 @@ def test_a_key_set_beside_a_preset_wins_and_defaults_do_not():
     assert again == cfg
 
 
+def test_a_sweep_can_set_a_presets_key_back_to_its_default():
+    """A sweep file names only the keys it sets, so each wins, its default included
+    (an ablation of a preset's setting), and what the apps receive keeps it."""
+    from fedcomp.ops.sweep import Sweep
+
+    default = RunConfig().server_average
+    assert PRESETS["fedcomp-best"].settings["server-average"] != default
+    sweep = Sweep(base={}, grid={"seed": [0]}, num_supernodes=2, methods=[
+        {"name": "best", "preset": "fedcomp-best"},
+        {"name": "best without averaging", "preset": "fedcomp-best",
+         "server-average": default}])
+    with_average, without = (run.config for run in sweep.runs)
+    assert with_average.server_average == PRESETS["fedcomp-best"].settings["server-average"]
+    assert without.server_average == default
+    assert without.feedback == PRESETS["fedcomp-best"].settings["feedback"]
+    assert with_average.digest() != without.digest()
+    # The runner hands the apps the expanded keys without the preset: Flower's
+    # run_config holds every key, and the apps' expansion leaves the default alone.
+    handed = {**without.replace(preset="").to_mapping()}
+    assert RunConfig.from_mapping(handed) == without.replace(preset="")
+    # With the preset still named, the apps could not tell the default from a key
+    # left alone, and would undo the ablation.
+    assert RunConfig.from_mapping(without.to_mapping()).server_average != default
+
+
+def test_the_sweep_runner_hands_flower_the_expanded_config_without_its_preset(
+        tmp_path, monkeypatch):
+    import tomllib
+
+    from fedcomp.ops import cli
+
+    handed = {}
+
+    def fake_run(project, connection, run_config, **kwargs):
+        handed.update(tomllib.loads(open(run_config).read()))
+        return 1, "finished:failed", None, []
+
+    monkeypatch.setattr(cli, "_flower_run", fake_run)
+    config = RunConfig.from_mapping({"preset": "fedcomp-best", "server-average": 0.0,
+                                     "results-dir": str(tmp_path)}, explicit=True)
+    with pytest.raises(RuntimeError, match="finished:failed"):
+        cli.flower_runner(tmp_path)(config, 2)
+    assert handed["preset"] == "" and handed["server-average"] == 0.0
+    assert handed["feedback"] == PRESETS["fedcomp-best"].settings["feedback"]
+
+
 def test_an_unknown_preset_names_the_known_ones():
     with pytest.raises(SpecError, match=r"'preset' = 'sct'.*stc"):
         RunConfig.from_mapping({"preset": "sct"})

@@ -115,7 +115,10 @@ class Sweep:
                 zip(keys, combo, strict=True))
             grid_values = {k: v for k, v in values.items() if k != "method"}
             # validates every key and value
-            config = RunConfig.from_mapping({**self.base, **overrides, **grid_values})
+            # Only the keys the sweep file sets: each wins over a preset, even at its
+            # default (the runner then passes the expanded config without the preset).
+            config = RunConfig.from_mapping({**self.base, **overrides, **grid_values},
+                                            explicit=True)
             runs.append(SweepRun(run_id_for(config, self.num_supernodes), values, config,
                                  self.num_supernodes))
         ids = [r.run_id for r in runs]
