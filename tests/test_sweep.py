@@ -520,7 +520,7 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
                 round_, accuracy=0.5 + 0.1 * round_, uplink_bytes=1_000, downlink_bytes=4_000,
                 clients_ok=2, clients_sampled=2, **(dict(
                     uplink_density=0.02, uplink_value_bits=1.5 + round_,
-                    uplink_tensor_density=f"fc1.weight=0.01;conv2={0.1 * round_:g}",
+                    uplink_tensor_density=f"fc1.weight=0.01;conv2={0.1 * round_:g};fc2=0",
                     uplink_tensor_sent=f"fc1.weight=1;conv2={0.5 * round_:g}",
                     downlink_density=0.1, downlink_value_bits=4.0,
                     downlink_tensor_density=f"fc1.weight=0.05;conv2={0.2 * round_:g}")
@@ -531,7 +531,7 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
     (tmp_path / "not-a-run").mkdir()
     assert [r.method for r in load_runs(tmp_path)] == ["deployed", "simulated"]
     budgeted = load_runs(tmp_path / "simulated")[0].rounds[0]  # a byte budget's text column
-    assert budgeted["uplink_tensor_density"] == "fc1.weight=0.01;conv2=0.1"
+    assert budgeted["uplink_tensor_density"] == "fc1.weight=0.01;conv2=0.1;fc2=0"
     assert budgeted["uplink_density"] == 0.02
     assert [r.method for r in load_runs(tmp_path / "deployed")] == ["deployed"]
     table, paths = write_report(tmp_path, target=0.65)
@@ -539,8 +539,10 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
     assert (tmp_path / "budget_choices.png") in paths
     simulated = build_report(load_runs(tmp_path), 0.65)[1][1]
     assert simulated.method == "simulated"
+    # fc2 is never sent: drawn as no line (a log axis has no zero) but named.
     assert budget_choice_series(simulated, "uplink") == {
-        "fc1.weight": ([1, 2], [0.01, 0.01]), "conv2": ([1, 2], [0.1, 0.2])}
+        "fc1.weight": ([1, 2], [0.01, 0.01]), "conv2": ([1, 2], [0.1, 0.2]),
+        "fc2": ([1, 2], [0.0, 0.0])}
     assert budget_choice_series(simulated, "downlink")["conv2"] == ([1, 2], [0.2, 0.4])
     assert budget_choice_series(build_report(load_runs(tmp_path), 0.65)[1][0], "uplink") == {}
     wire_rows = [line for line in table.splitlines()
@@ -553,8 +555,9 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
     # What the budget chose, as means over the rounds: only the budgeted run has a row.
     chose = table[table.index("| tensor | simulated | simulated, downlink |"):].splitlines()
     # Uplink: conv2 carried by half the payloads in round 1 and all in round 2.
-    assert chose[2:5] == ["| `fc1.weight` | 1% in 100% | 5% |",
+    assert chose[2:6] == ["| `fc1.weight` | 1% in 100% | 5% |",
                           "| `conv2` | 15% in 75% | 30% |",
+                          "| `fc2` | 0% | - |",
                           "| bits a kept value | 3.00 | 4.00 |"]
     with pytest.raises(ValueError, match="no sweep"):
         load_runs(tmp_path / "not-a-run")

@@ -570,17 +570,22 @@ def plot_budget_choices(methods: list[MethodResult], out_dir: Path) -> Path | No
                              sharex=True, squeeze=False)
     names = list(dict.fromkeys(name for _, series in panels for name in series))
     for ax, (title, series) in zip(axes[:, 0], panels, strict=True):
+        never = [name for name, (_, shares) in series.items() if not any(shares)]
         for name, (rounds, shares) in series.items():
-            ax.plot(rounds, [s if s > 0 else math.nan for s in shares], lw=1.0,
-                    label=name, **_line_style(names.index(name)))
+            if name not in never:
+                ax.plot(rounds, [s if s > 0 else math.nan for s in shares], lw=1.0,
+                        label=name, **_line_style(names.index(name)))
         ax.set_yscale("log")
         ax.set_ylabel("share of entries sent")
-        ax.set_title(title, fontsize=9)
+        # A tensor left out of every payload has no point on a log axis: named instead.
+        ax.set_title(title + (f" (never sent: {', '.join(never)})" if never else ""),
+                     fontsize=9, wrap=True)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("round")
     handles = {h.get_label(): h for ax in axes[:, 0] for h in ax.get_lines()}
-    axes[-1, 0].legend([handles[n] for n in names], names, fontsize=7, loc="upper left",
-                       bbox_to_anchor=(0.0, -0.25), ncol=2 if len(names) > 8 else 1,
+    shown = [n for n in names if n in handles]
+    axes[-1, 0].legend([handles[n] for n in shown], shown, fontsize=7, loc="upper left",
+                       bbox_to_anchor=(0.0, -0.25), ncol=2 if len(shown) > 8 else 1,
                        frameon=False)
     path = out_dir / "budget_choices.png"
     fig.savefig(path, bbox_inches="tight")
