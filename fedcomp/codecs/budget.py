@@ -14,9 +14,11 @@ round from what it is about to send:
   keep of each tensor's compensated update (the delta plus its error-feedback
   residual): that of the ``k`` largest entries less the value coding's error
   (:class:`ValueModel`). A tensor whose residual has grown because it sent little
-  before is worth more now, so no tensor starves for good. With ``budget-worth =
-  "adaptive"`` the uplink divides that energy by the rms of each tensor's fresh
-  delta (:func:`worth_weights`), as an adaptive server optimizer scales its steps;
+  before is worth more now; one whose updates stay small against the others' can
+  still wait many rounds (a transformer's feed-forward biases, under plain energy).
+  With ``budget-worth = "adaptive"`` the uplink divides that energy by the rms of
+  each tensor's fresh delta (:func:`worth_weights`), as an adaptive server
+  optimizer scales its steps, which lifts such small-scaled tensors;
 * **what it costs**: ``k`` values at the value coding's bits, its scales, and the
   positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
   is near;
