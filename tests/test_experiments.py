@@ -136,3 +136,30 @@ def test_scale_benchmark_holds_what_was_sent_not_a_model_per_client():
     forgetful = scale.measure(model, policy, clients=200, rounds=6, per_round=10,
                               forget_after=2, seed=0)
     assert forgetful["forgotten"] > 0 and forgetful["held_mb"] < row["held_mb"]
+
+
+def test_worth_probe_fisher_is_the_mean_squared_minibatch_gradient():
+    import torch
+    from torch import nn
+
+    probe = _load("budget_worth_probe")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    y = np.array([0, 1, 1, 0, 1])
+    fisher = probe.empirical_fisher(model, x, y, batch_size=2)  # batches of 2, 2, 1
+    expected = {"weight": 0.0, "bias": 0.0}
+    for start in (0, 2, 4):
+        grads = torch.autograd.grad(nn.functional.cross_entropy(
+            model(torch.from_numpy(x[start:start + 2])), torch.from_numpy(y[start:start + 2])),
+            [model.weight, model.bias])
+        for name, grad in zip(("weight", "bias"), grads, strict=True):
+            expected[name] += float(grad.pow(2).mean()) / 3
+    assert fisher == pytest.approx(expected, rel=1e-6)
+    assert model.weight.grad is None or not model.weight.grad.any()  # left clean
+    delta = {"weight": np.full((2, 3), 0.5, np.float32), "bias": np.zeros(2, np.float32)}
+    weights = probe.measures(delta, fisher)
+    assert weights["energy"] == {"weight": 1.0, "bias": 1.0}
+    assert weights["fisher/ms"]["weight"] == pytest.approx(fisher["weight"] / 0.25)
+    assert weights["fisher/ms"]["bias"] == pytest.approx(fisher["bias"])  # all-zero delta
