@@ -14,7 +14,8 @@ epoch allocates the budget under:
 * candidates that are not offered: ``fisher`` (each tensor's energy times its
   empirical Fisher, the mean squared minibatch gradient at the global model: what a
   unit of change costs or gains in loss there), ``fisher/ms`` (the same over the
-  mean square of the fresh delta).
+  mean square of the fresh delta), ``size^-1/2`` (each tensor's energy over the
+  square root of its number of entries, which favours small tensors).
 
 It prints each tensor's share of entries sent (mean over the clients) beside the
 hand-tuned configuration's (``fedcomp-best``): the split that reaches the target in
@@ -85,7 +86,8 @@ def measures(delta: dict[str, np.ndarray], fisher: dict[str, float]
     return {"energy": worth_weights("energy", delta),
             "adaptive": worth_weights("adaptive", delta),
             "fisher": {k: fisher[k] for k in delta},
-            "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta}}
+            "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta},
+            "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()}}
 
 
 def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float,

@@ -163,3 +163,4 @@ def test_worth_probe_fisher_is_the_mean_squared_minibatch_gradient():
     assert weights["energy"] == {"weight": 1.0, "bias": 1.0}
     assert weights["fisher/ms"]["weight"] == pytest.approx(fisher["weight"] / 0.25)
     assert weights["fisher/ms"]["bias"] == pytest.approx(fisher["bias"])  # all-zero delta
+    assert weights["size^-1/2"] == pytest.approx({"weight": 6 ** -0.5, "bias": 2 ** -0.5})
