@@ -9,8 +9,8 @@ headline's model (non-IID Fashion-MNIST, 100 Dirichlet clients, alpha 0.3) with
 plain FedAvg for a few rounds in one process, then for a few clients' next local
 epoch allocates the budget under:
 
-* ``energy``, ``adaptive`` and ``sign``, the measures ``budget-worth`` offers
-  (:func:`fedcomp.codecs.budget.worth_weights`, :func:`~fedcomp.codecs.budget.sign_scales`);
+* ``energy`` and ``adaptive``, the measures ``budget-worth`` offers
+  (:func:`fedcomp.codecs.budget.worth_weights`);
 * candidates that are not offered: ``fisher`` (each tensor's energy times its
   empirical Fisher, the mean squared minibatch gradient at the global model: what a
   unit of change costs or gains in loss there), ``fisher/ms`` (the same over the
@@ -44,11 +44,9 @@ from torch import nn  # noqa: E402
 
 from fedcomp.codecs.budget import (  # noqa: E402
     VALUE_CHOICES,
-    WORTH_MEASURES,
     Allocator,
     TopKFamily,
     parse_budget,
-    sign_scales,
     worth_weights,
 )
 from fedcomp.codecs.pipeline import Pipeline  # noqa: E402
@@ -81,16 +79,15 @@ def empirical_fisher(model: nn.Module, x: np.ndarray, y: np.ndarray,
 
 
 def measures(delta: dict[str, np.ndarray], fisher: dict[str, float]
-             ) -> dict[str, tuple[dict[str, float], dict[str, float]]]:
-    """The tensors' weights and sign scales (:class:`Allocator`'s arguments) under
-    each measure probed."""
+             ) -> dict[str, dict[str, float]]:
+    """The tensors' weights under each measure probed."""
     mean_square = {k: float(np.mean(np.square(v, dtype=np.float64))) or 1.0
                    for k, v in delta.items()}
-    return {**{measure: (worth_weights(measure, delta), sign_scales(measure, delta))
-               for measure in WORTH_MEASURES},
-            "fisher": ({k: fisher[k] for k in delta}, {}),
-            "fisher/ms": ({k: fisher[k] / mean_square[k] for k in delta}, {}),
-            "size^-1/2": ({k: float(v.size) ** -0.5 for k, v in delta.items()}, {})}
+    return {"energy": worth_weights("energy", delta),
+            "adaptive": worth_weights("adaptive", delta),
+            "fisher": {k: fisher[k] for k in delta},
+            "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta},
+            "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()}}
 
 
 def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float,
@@ -127,9 +124,8 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
         train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
               seed=int(client))
         delta = {k: v - start[k] for k, v in state_arrays(model).items()}
-        for measure, (weights, scales) in measures(delta, fisher).items():
-            allocator = Allocator(delta, models, weights, scales)
-            for name, choice in allocator.allocate(budget_bits).items():
+        for measure, weights in measures(delta, fisher).items():
+            for name, choice in Allocator(delta, models, weights).allocate(budget_bits).items():
                 shares.setdefault(measure, {}).setdefault(name, []).append(
                     choice.count / delta[name].size)
     return {measure: {name: statistics.mean(values) for name, values in per.items()}

@@ -18,7 +18,6 @@ from fedcomp.codecs.budget import (
     ValueModel,
     next_target,
     parse_budget,
-    sign_scales,
     topk_count,
     value_bits,
     worth_weights,
@@ -262,74 +261,11 @@ def test_a_heavier_weight_moves_bits_to_its_tensor():
     assert heavy == lifted  # a weight of 100 on the energy is a scale of 10 on the values
 
 
-def test_sign_scales_are_the_fresh_rms_under_sign_worth_only():
-    fresh = {"a": np.full(8, 0.5, np.float32), "b": np.arange(4, dtype=np.float32),
-             "still": np.zeros(3, np.float32)}
-    assert sign_scales("energy", fresh) == {} and sign_scales("adaptive", fresh) == {}
-    scales = sign_scales("sign", fresh)
-    assert scales["a"] == pytest.approx(0.5) and scales["b"] == pytest.approx(3.5 ** 0.5)
-    assert scales["still"] == 1.0
-    assert worth_weights("sign", fresh) == {"a": 1.0, "b": 1.0, "still": 1.0}
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.integers(0, 10_000), st.floats(-3, 1))
-def test_under_sign_worth_an_entry_is_worth_a_sign_step_in_the_cheapest_coding(seed, log_s):
-    """Each hull point keeps the ``k`` largest entries, worth ``|d| * min(1, |d| / s)``
-    each whatever the coding, so every sent choice is the cheapest coding (one sign
-    bit and a scale) and its worth is that sum; an energy hull of the same values
-    would buy 8-bit codings for their spread."""
-    values = (np.random.default_rng(seed).standard_normal(500)
-              * np.logspace(0, 3, 500)).astype(np.float32)
-    scale = 10.0 ** log_s
-    hull = Allocator({"t": values}, {"t": MODELS}, sign_scales={"t": scale}).hulls["t"]
-    ordered = np.sort(np.abs(values.astype(np.float64)))[::-1]
-    gains = np.cumsum(ordered * np.minimum(1.0, ordered / scale))
-    for choice, worth in zip(hull.choices[1:], hull.energy[1:], strict=True):
-        assert choice.values == 0  # ternary: the cheapest of VALUE_CHOICES
-        assert worth == pytest.approx(gains[choice.count - 1], rel=1e-9)
-    energy_hull = Allocator({"t": values}, {"t": MODELS}).hulls["t"]
-    assert any(choice.values > 0 for choice in energy_hull.choices)
-
-
-def test_sign_worth_sends_more_entries_of_a_small_dense_layer_than_energy():
-    """A few large entries (a large layer's head) against many middling ones (a small
-    layer): energy counts the large ones' squares, a sign step their magnitudes, so
-    the sign worth moves entries to the small layer."""
-    rng = np.random.default_rng(0)
-    large = (rng.standard_normal(100_000) * 0.01).astype(np.float32)
-    large[:200] = 1.0
-    small = (rng.standard_normal(2_000) * 0.3).astype(np.float32)
-    tensors = {"large": large, "small": small}
-    models = {"large": MODELS, "small": MODELS}
-    energy = Allocator(tensors, models).allocate(6_000)
-    sign = Allocator(tensors, models, sign_scales=sign_scales("sign", tensors)).allocate(6_000)
-    assert sign["small"].count > energy["small"].count
-
-
-def test_a_sign_worth_payload_fits_decodes_and_codes_every_value_in_one_bit():
-    policy = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
-                               budget_values=VALUE_CHOICES, budget_worth="sign")
-    budget = parse_budget("300x").payload_bytes(NUMEL)
-    memory = ErrorFeedback(policy.description)
-    for round_ in range(3):
-        result = encode_within_budget(_update(round_), policy, budget, feedback=memory,
-                                      rng=np.random.default_rng(round_),
-                                      meta={"round": round_})
-        assert len(result.payload) <= budget
-        decoded = unpack_payload(result.payload, expected=policy.expected(SHAPES))
-        sent = {name: c for name, c in result.choices.items() if c.count}
-        assert sent and all(c.values == 0 for c in sent.values())
-        for name, c in sent.items():
-            assert np.count_nonzero(decoded.tensors[name]) == c.count
-
-
 def test_the_run_config_weighs_only_the_uplink_by_budget_worth():
-    for measure in ("adaptive", "sign"):
-        config = RunConfig.from_mapping({"uplink-budget": "400x", "downlink-budget": "40x",
-                                         "downlink-codec": "topk", "budget-worth": measure})
-        assert config.uplink_policy.budget_worth == measure
-        assert config.downlink_policy.budget_worth == "energy"
+    config = RunConfig.from_mapping({"uplink-budget": "400x", "downlink-budget": "40x",
+                                     "downlink-codec": "topk", "budget-worth": "adaptive"})
+    assert config.uplink_policy.budget_worth == "adaptive"
+    assert config.downlink_policy.budget_worth == "energy"
 
 
 def test_an_adaptive_budget_sends_a_large_layer_of_small_entries_more_than_energy_does():

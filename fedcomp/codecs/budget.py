@@ -18,10 +18,7 @@ round from what it is about to send:
   still wait many rounds (a transformer's feed-forward biases, under plain energy).
   With ``budget-worth = "adaptive"`` the uplink divides that energy by the rms of
   each tensor's fresh delta (:func:`worth_weights`), as an adaptive server
-  optimizer scales its steps, which lifts such small-scaled tensors; with
-  ``"sign"`` an entry ``d`` is worth ``|d| * min(1, |d| / s)``, ``s`` the rms of
-  the tensor's fresh delta: what a server that steps each coordinate a fixed amount
-  in its update's sign gains (:func:`sign_scales`);
+  optimizer scales its steps, which lifts such small-scaled tensors;
 * **what it costs**: ``k`` values at the value coding's bits, its scales, and the
   positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
   is near;
@@ -68,8 +65,7 @@ from fedcomp.errors import SpecError
 
 __all__ = ["DENSITY_GRID", "MAX_ATTEMPTS", "VALUE_CHOICES", "WORTH_MEASURES", "Allocator",
            "ByteBudget", "Choice", "TopKFamily", "ValueModel", "candidate_counts",
-           "next_target", "parse_budget", "sign_scales", "topk_count", "value_bits",
-           "worth_weights"]
+           "next_target", "parse_budget", "topk_count", "value_bits", "worth_weights"]
 
 #: Densities a tensor may be given (k = density * n, at least 1): quarter-octave steps
 #: from all entries down to 2^-16. Fine enough that rounding to the grid costs little,
@@ -364,21 +360,15 @@ class _Hull:
     choices: tuple[Choice, ...]
 
 
-def _hull(values: np.ndarray, models: Sequence[ValueModel],
-          sign_scale: float | None = None) -> _Hull:
+def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
     flat = np.abs(np.asarray(values, dtype=np.float32).reshape(-1))
     counts = candidate_counts(flat.size)
     # Sorted in float32 (twice as fast), then widened: the same numbers in the same order.
     ordered = np.sort(flat)[::-1].astype(np.float64)
     bits = np.concatenate([model.cost_bits(flat.size, counts) for model in models])
-    if sign_scale is not None:
-        # What a sign step gains (see sign_worth): the same in every value coding.
-        gains = np.cumsum(ordered * np.minimum(1.0, ordered / sign_scale))[counts - 1]
-        energy = np.concatenate([gains] * len(models))
-    else:
-        prefix = (np.cumsum(ordered * ordered), np.cumsum(ordered))  # shared by the codings
-        energy = np.concatenate([model.kept_energy(ordered, counts, prefix=prefix)
-                                 for model in models])
+    prefix = (np.cumsum(ordered * ordered), np.cumsum(ordered))  # shared by the codings
+    energy = np.concatenate([model.kept_energy(ordered, counts, prefix=prefix)
+                             for model in models])
     choices = [Choice(int(k), index) for index in range(len(models)) for k in counts]
     # Leaving the tensor out: no bytes, nothing kept.
     bits, energy = np.append(0.0, bits), np.append(0.0, energy)
@@ -404,8 +394,8 @@ def _weighted(hull: _Hull, weight: float) -> _Hull:
     return dataclasses.replace(hull, energy=hull.energy * weight)
 
 
-#: The measures of what a tensor's kept entries are worth (``budget-worth``).
-WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive", "sign")
+#: The measures of what a tensor's kept energy is worth (``budget-worth``).
+WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive")
 
 
 def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, float]:
@@ -428,8 +418,6 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
       (biases, a norm's scale), and a residual that has grown while its tensor
       waited still raises that tensor's worth.
 
-    * ``"sign"``: all 1, the worth itself changes (:func:`sign_scales`).
-
     Dividing by the mean square instead (every entry worth the same in its own
     tensor's units) is not offered: it ignores that the loss falls by the gradient
     times the step, so it starves small tensors (norms, biases) whose entries each
@@ -446,7 +434,7 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
         raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
                         f"got {measure!r}")
     weights = {name: 1.0 for name in fresh}
-    if measure != "adaptive":
+    if measure == "energy":
         return weights
     for name, value in fresh.items():
         flat = np.asarray(value, dtype=np.float64).reshape(-1)
@@ -454,33 +442,6 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
         if energy > 0:
             weights[name] = (flat.size / energy) ** 0.5
     return weights
-
-
-def sign_scales(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, float]:
-    """With ``measure = "sign"``, each budgeted tensor's noise scale: the rms of its
-    fresh update (1 where that is all zero); empty for every other measure.
-
-    ``"sign"`` is what an entry ``d`` gains under a server that steps each
-    coordinate by a fixed amount in the sign of its mean update, as FedAdam and
-    FedYogi do with a small ``tau`` (their step is ``m / sqrt(v)``, about +-lr for a
-    coordinate updated now and then): the gradient times that step, which is
-    ``|d|`` when ``d``'s sign is reliable, and about ``d^2 / s`` when ``|d|`` is
-    within the noise ``s`` of the tensor's updates (the step then goes the right way
-    only a little more often than the wrong one). An entry is worth
-    ``|d| * min(1, |d| / s)``, and the value coding's precision earns nothing (the
-    step has the same size whatever the value), so every budgeted tensor goes in the
-    cheapest coding and the bytes buy entries. Against plain energy this sends
-    tensors whose positions are cheap (dense layers with few entries, small tensors)
-    more entries and a large layer's long tail fewer.
-    """
-    if measure != "sign":
-        return {}
-    scales = {}
-    for name, value in fresh.items():
-        flat = np.asarray(value, dtype=np.float64).reshape(-1)
-        mean_square = float(np.dot(flat, flat)) / max(flat.size, 1)
-        scales[name] = mean_square ** 0.5 if mean_square > 0 else 1.0
-    return scales
 
 
 class Allocator:
@@ -504,18 +465,13 @@ class Allocator:
         What a unit of each tensor's energy is worth against the others' (1 for a
         tensor not named; see :func:`worth_weights`). Scaling a tensor's energies
         leaves its own hull as it is and moves only the exchange rate between tensors.
-    sign_scales
-        Tensors whose entries are worth what a sign step gains instead of their
-        energy, with their noise scales (see :func:`sign_scales`).
     """
 
     def __init__(self, tensors: Mapping[str, np.ndarray],
                  models: Mapping[str, Sequence[ValueModel]],
-                 weights: Mapping[str, float] | None = None,
-                 sign_scales: Mapping[str, float] | None = None) -> None:
-        weights, sign_scales = weights or {}, sign_scales or {}
-        self.hulls = {name: _weighted(_hull(value, models[name], sign_scales.get(name)),
-                                      weights.get(name, 1.0))
+                 weights: Mapping[str, float] | None = None) -> None:
+        weights = weights or {}
+        self.hulls = {name: _weighted(_hull(value, models[name]), weights.get(name, 1.0))
                       for name, value in tensors.items()}
         self._models = {name: tuple(models[name]) for name in tensors}
         self._numel = {name: int(np.size(value)) for name, value in tensors.items()}

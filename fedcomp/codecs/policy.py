@@ -32,7 +32,6 @@ from fedcomp.codecs.budget import (
     Choice,
     TopKFamily,
     next_target,
-    sign_scales,
     worth_weights,
 )
 from fedcomp.codecs.feedback import FeedbackMemory, NoFeedback
@@ -104,10 +103,9 @@ class CompressionPolicy:
         :data:`fedcomp.codecs.budget.VALUE_CHOICES`); empty: ``codec``'s own stages
         after its Top-K.
     budget_worth
-        What a budget counts a tensor's kept entries worth (one of
+        How a budget weighs one tensor's kept energy against another's (one of
         :data:`fedcomp.codecs.budget.WORTH_MEASURES`, see
-        :func:`fedcomp.codecs.budget.worth_weights` and
-        :func:`fedcomp.codecs.budget.sign_scales`).
+        :func:`fedcomp.codecs.budget.worth_weights`).
     """
 
     codec: str = "none"
@@ -330,11 +328,10 @@ def encode_within_budget(
     compensated = memory.compensate(tensors)
     families = {name: family for name, value in compensated.items()
                 if (family := policy.family_for(value.shape, name)) is not None}
-    fresh = {name: tensors[name] for name in families}
+    weights = worth_weights(policy.budget_worth, {name: tensors[name] for name in families})
     allocator = Allocator({name: compensated[name] for name in families},
                           {name: family.models for name, family in families.items()},
-                          worth_weights(policy.budget_worth, fresh),
-                          sign_scales(policy.budget_worth, fresh))
+                          weights)
     best: tuple[EncodedUpdate, dict[str, Choice]] | None = None
     tries: list[tuple[float, int]] = []
     target = 8.0 * budget
