@@ -28,32 +28,27 @@ Nothing is asserted: a probe reports, sweeps decide.
 
 from __future__ import annotations
 
-import os
+import argparse
+import statistics
+import sys
+from typing import Any
 
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ.setdefault(_var, "1")
+import numpy as np
+import torch
+from torch import nn
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from fedcomp.codecs.budget import (  # noqa: E402
+from fedcomp.codecs.budget import (
     VALUE_CHOICES,
     Allocator,
     TopKFamily,
     parse_budget,
     worth_weights,
 )
-from fedcomp.codecs.pipeline import Pipeline  # noqa: E402
-from fedcomp.codecs.wire import OVERHEAD_BYTES  # noqa: E402
-from fedcomp.tasks.data import dirichlet_clients  # noqa: E402
-from fedcomp.tasks.models import build_model  # noqa: E402
-from fedcomp.tasks.training import state_arrays, train  # noqa: E402
+from fedcomp.codecs.pipeline import Pipeline
+from fedcomp.codecs.wire import OVERHEAD_BYTES
+from fedcomp.tasks.data import dirichlet_clients
+from fedcomp.tasks.models import build_model
+from fedcomp.tasks.training import state_arrays, train
 
 #: What fedcomp-best sends of each tensor up (Top-10% of conv2 and fc2, Top-0.5% of
 #: fc1, every entry of the small tensors in 8 bits).
