@@ -9,7 +9,7 @@ headline's model (non-IID Fashion-MNIST, 100 Dirichlet clients, alpha 0.3) with
 plain FedAvg for a few rounds in one process, then for a few clients' next local
 epoch allocates the budget under:
 
-* ``energy`` and ``adaptive``, the measures ``budget-worth`` offers
+* ``energy``, ``adaptive`` and ``relative``, the measures ``budget-worth`` offers
   (:func:`fedcomp.codecs.budget.worth_weights`);
 * candidates that are not offered: ``fisher`` (each tensor's energy times its
   empirical Fisher, the mean squared minibatch gradient at the global model: what a
@@ -73,13 +73,14 @@ def empirical_fisher(model: nn.Module, x: np.ndarray, y: np.ndarray,
     return {name: value / max(batches, 1) for name, value in sums.items()}
 
 
-def measures(delta: dict[str, np.ndarray], fisher: dict[str, float]
-             ) -> dict[str, dict[str, float]]:
+def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
+             start: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
     """The tensors' weights under each measure probed."""
     mean_square = {k: float(np.mean(np.square(v, dtype=np.float64))) or 1.0
                    for k, v in delta.items()}
     return {"energy": worth_weights("energy", delta),
             "adaptive": worth_weights("adaptive", delta),
+            "relative": worth_weights("relative", delta, start),
             "fisher": {k: fisher[k] for k in delta},
             "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta},
             "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()}}
@@ -119,7 +120,7 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
         train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
               seed=int(client))
         delta = {k: v - start[k] for k, v in state_arrays(model).items()}
-        for measure, weights in measures(delta, fisher).items():
+        for measure, weights in measures(delta, fisher, start).items():
             for name, choice in Allocator(delta, models, weights).allocate(budget_bits).items():
                 shares.setdefault(measure, {}).setdefault(name, []).append(
                     choice.count / delta[name].size)

@@ -286,9 +286,11 @@ class RunConfig:
                             f"or 'codec' (the codec's own), got {self.budget_values!r}")
         if self.budget_worth not in WORTH_MEASURES:
             raise SpecError(f"run config 'budget-worth' must be 'energy' (a tensor's kept "
-                            f"energy as it is) or 'adaptive' (divided by the rms of its "
+                            f"energy as it is), 'adaptive' (divided by the rms of its "
                             f"fresh update, as an adaptive server optimizer scales its "
-                            f"steps); it weighs the uplink only; got {self.budget_worth!r}")
+                            f"steps) or 'relative' (divided by the tensor's squared norm: "
+                            f"its relative change); it weighs the uplink only; got "
+                            f"{self.budget_worth!r}")
         values = VALUE_CHOICES if self.budget_values == "auto" else ()
         policies = []
         for (codec_key, codec), budget, pairs in zip(

@@ -590,3 +590,61 @@ def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode)
         server.applied(who)
         assert model_digest(replica.model) == server.digest_for(who)
     assert compressed >= 3
+
+
+def test_relative_worth_divides_by_the_tensors_squared_norm_and_its_fresh_energy():
+    fresh = {"a": np.full(4, 0.5, np.float32), "zero": np.full(2, 2.0, np.float32),
+             "still": np.zeros(3, np.float32)}
+    model = {"a": np.full(4, 1.5, np.float32), "zero": np.zeros(2, np.float32),
+             "still": np.zeros(3, np.float32), "unbudgeted": np.ones(5, np.float32)}
+    relative = worth_weights("relative", fresh, model)
+    assert relative["a"] == pytest.approx(1 / (9.0 + 1.0))
+    assert relative["zero"] == pytest.approx(1 / 8.0)  # a zero tensor: its fresh update's
+    assert relative["still"] == 1.0  # nothing to divide by
+    with pytest.raises(SpecError, match="needs the model"):
+        worth_weights("relative", fresh)
+    with pytest.raises(SpecError, match="lacks still"):
+        worth_weights("relative", fresh, {"a": model["a"], "zero": model["zero"]})
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(-10, 10), st.floats(2_000, 60_000))
+def test_relative_worth_ignores_a_tensors_scale(seed, log2_scale, budget_bits):
+    """Scaling one tensor's model values and its update by the same ``c`` (a layer
+    reparametrised) leaves its relative change, and so every choice, as it was:
+    plain energy would move bits to or from it. (Powers of two scale floats exactly.)"""
+    base = _update(seed)
+    rng = np.random.default_rng(seed + 1)
+    model = {name: rng.standard_normal(value.shape).astype(np.float32)
+             for name, value in base.items()}
+    scale = np.float32(2.0 ** log2_scale)
+    models = {name: MODELS for name in SHAPES}
+    scaled = {**base, "conv2.weight": base["conv2.weight"] * scale}
+    scaled_model = {**model, "conv2.weight": model["conv2.weight"] * scale}
+    assert Allocator(scaled, models, worth_weights("relative", scaled, scaled_model)).allocate(
+        budget_bits) == Allocator(base, models, worth_weights("relative", base, model)
+                                  ).allocate(budget_bits)
+
+
+def test_a_relative_budget_sends_a_small_scaled_layer_that_energy_leaves_out():
+    """conv2's model values and update are a tenth of the others': energy spends the
+    budget elsewhere, its relative change is as large as theirs and it is sent."""
+    budget = parse_budget("300x").payload_bytes(NUMEL)
+    update = _update(3, {"conv2.weight": 0.1})
+    rng = np.random.default_rng(7)
+    model = {name: rng.standard_normal(value.shape).astype(np.float32)
+             * np.float32(0.1 if name == "conv2.weight" else 1.0)
+             for name, value in update.items()}
+    sent = {}
+    for measure in ("energy", "relative"):
+        policy = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
+                                   budget_values=VALUE_CHOICES, budget_worth=measure)
+        result = encode_within_budget(update, policy, budget, rng=np.random.default_rng(0),
+                                      meta={"round": 1}, model=model)
+        assert len(result.payload) <= budget
+        sent[measure] = result.choices["conv2.weight"].count
+    assert sent["relative"] > 2 * sent["energy"], sent
+    policy = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
+                               budget_worth="relative")
+    with pytest.raises(SpecError, match="needs the model"):
+        encode_within_budget(update, policy, budget, rng=np.random.default_rng(0))

@@ -159,8 +159,10 @@ def test_worth_probe_fisher_is_the_mean_squared_minibatch_gradient():
     assert fisher == pytest.approx(expected, rel=1e-6)
     assert model.weight.grad is None or not model.weight.grad.any()  # left clean
     delta = {"weight": np.full((2, 3), 0.5, np.float32), "bias": np.zeros(2, np.float32)}
-    weights = probe.measures(delta, fisher)
+    start = {"weight": np.full((2, 3), 2.0, np.float32), "bias": np.ones(2, np.float32)}
+    weights = probe.measures(delta, fisher, start)
     assert weights["energy"] == {"weight": 1.0, "bias": 1.0}
+    assert weights["relative"] == pytest.approx({"weight": 1 / (24 + 1.5), "bias": 1 / 2})
     assert weights["fisher/ms"]["weight"] == pytest.approx(fisher["weight"] / 0.25)
     assert weights["fisher/ms"]["bias"] == pytest.approx(fisher["bias"])  # all-zero delta
     assert weights["size^-1/2"] == pytest.approx({"weight": 6 ** -0.5, "bias": 2 ** -0.5})

@@ -18,7 +18,9 @@ round from what it is about to send:
   still wait many rounds (a transformer's feed-forward biases, under plain energy).
   With ``budget-worth = "adaptive"`` the uplink divides that energy by the rms of
   each tensor's fresh delta (:func:`worth_weights`), as an adaptive server
-  optimizer scales its steps, which lifts such small-scaled tensors;
+  optimizer scales its steps, which lifts such small-scaled tensors; with
+  ``"relative"`` by the tensor's squared norm in the model the update starts from,
+  so that what counts is each tensor's relative change;
 * **what it costs**: ``k`` values at the value coding's bits, its scales, and the
   positions, ``log2 C(n, k)`` bits at the entropy bound that fedcomp's index coding
   is near;
@@ -395,10 +397,11 @@ def _weighted(hull: _Hull, weight: float) -> _Hull:
 
 
 #: The measures of what a tensor's kept energy is worth (``budget-worth``).
-WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive")
+WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive", "relative")
 
 
-def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, float]:
+def worth_weights(measure: str, fresh: Mapping[str, np.ndarray],
+                  model: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
     """Each budgeted tensor's weight on its kept energy under ``measure``.
 
     What sending an entry of value ``d`` is worth is, to first order, how much the
@@ -417,18 +420,30 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
       move little (a large dense layer) gains against one whose entries move much
       (biases, a norm's scale), and a residual that has grown while its tensor
       waited still raises that tensor's worth.
+    * ``"relative"``: ``1 / (|W|^2 + |delta|^2)``, where ``W`` is the tensor in the
+      ``model`` the update starts from and ``delta`` its fresh update: the energy
+      kept counted as the squared *relative* change of the tensor, as layer-wise
+      trust ratios (LARS, LAMB) measure a step. A layer's output moves with its
+      weights' relative change, whatever their scale; energy alone favours the
+      tensors whose entries are large (an output layer) over those whose entries are
+      small but each shared by many outputs (a convolution's kernels), and it lets
+      biases and norms wait. ``|delta|^2`` in the denominator bounds the weight of a
+      tensor that is (near) zero, e.g. a bias at initialisation: its whole fresh
+      update is then worth about one unit.
 
     Dividing by the mean square instead (every entry worth the same in its own
     tensor's units) is not offered: it ignores that the loss falls by the gradient
     times the step, so it starves small tensors (norms, biases) whose entries each
     cost a header's bytes.
 
-    A tensor whose fresh delta is all zero keeps weight 1.
+    A tensor whose weight would divide by zero (no fresh update, and for
+    ``"relative"`` a zero tensor too) keeps weight 1.
 
     Raises
     ------
     SpecError
-        If ``measure`` is not one of :data:`WORTH_MEASURES`.
+        If ``measure`` is not one of :data:`WORTH_MEASURES`, or ``"relative"`` is
+        asked for without the ``model`` of every tensor in ``fresh``.
     """
     if measure not in WORTH_MEASURES:
         raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
@@ -436,11 +451,21 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray]) -> dict[str, fl
     weights = {name: 1.0 for name in fresh}
     if measure == "energy":
         return weights
+    if measure == "relative" and fresh and (
+            model is None or (missing := sorted(set(fresh) - set(model)))):
+        raise SpecError("budget worth 'relative' needs the model the update starts from"
+                        + ("" if model is None else f"; it lacks {', '.join(missing)}"))
     for name, value in fresh.items():
         flat = np.asarray(value, dtype=np.float64).reshape(-1)
         energy = float(np.dot(flat, flat))
-        if energy > 0:
-            weights[name] = (flat.size / energy) ** 0.5
+        if measure == "adaptive":
+            if energy > 0:
+                weights[name] = (flat.size / energy) ** 0.5
+            continue
+        start = np.asarray(model[name], dtype=np.float64).reshape(-1)
+        scale = float(np.dot(start, start)) + energy
+        if scale > 0:
+            weights[name] = 1.0 / scale
     return weights
 
 

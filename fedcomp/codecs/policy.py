@@ -305,6 +305,7 @@ def encode_within_budget(
     rng: np.random.Generator,
     feedback: Any = None,
     meta: Mapping[str, Any] | None = None,
+    model: Mapping[str, np.ndarray] | None = None,
 ) -> BudgetedUpdate:
     """Encode an update into at most ``budget`` payload bytes (see :mod:`fedcomp.codecs.budget`).
 
@@ -316,19 +317,24 @@ def encode_within_budget(
     out of the payload altogether (count 0), when its bytes are worth more elsewhere.
     ``feedback`` must offer ``compensate`` and ``keep``
     (:class:`~fedcomp.codecs.feedback.ErrorFeedback` or
-    :class:`~fedcomp.codecs.feedback.NoFeedback`).
+    :class:`~fedcomp.codecs.feedback.NoFeedback`). ``model``: the tensors the update
+    starts from (the receiver's model), which ``budget_worth = "relative"`` weighs
+    each tensor's change against.
 
     Raises
     ------
     BudgetError
         If even the payload that leaves every budgeted tensor out does not fit.
+    fedcomp.errors.SpecError
+        If the policy's worth measure needs ``model`` and it is not given.
     """
     memory = feedback if feedback is not None else NoFeedback()
     start = time.perf_counter()
     compensated = memory.compensate(tensors)
     families = {name: family for name, value in compensated.items()
                 if (family := policy.family_for(value.shape, name)) is not None}
-    weights = worth_weights(policy.budget_worth, {name: tensors[name] for name in families})
+    weights = worth_weights(policy.budget_worth, {name: tensors[name] for name in families},
+                            model)
     allocator = Allocator({name: compensated[name] for name in families},
                           {name: family.models for name, family in families.items()},
                           weights)

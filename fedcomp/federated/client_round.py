@@ -207,7 +207,9 @@ def settle_unconfirmed(state: ClientState, outcomes: Mapping[int, bool] | None,
 
 def encode_delta(cfg: RunConfig, feedback: Any, delta: Mapping[str, np.ndarray], *,
                  server_round: int, clip_norm: float, rng: np.random.Generator,
-                 shapes: Mapping[str, tuple[int, ...]]) -> tuple[EncodedUpdate, dict[str, float]]:
+                 shapes: Mapping[str, tuple[int, ...]],
+                 model: Mapping[str, np.ndarray] | None = None
+                 ) -> tuple[EncodedUpdate, dict[str, float]]:
     """Encode a client's delta into the round's payload; return it and any DP metric.
 
     The plain path is :func:`fedcomp.codecs.policy.encode_update` with the error-feedback
@@ -219,13 +221,15 @@ def encode_delta(cfg: RunConfig, feedback: Any, delta: Mapping[str, np.ndarray],
     residual is what the server will not get of ``u``: the coordinates outside the
     subspace and the codec's error. What clipping cut off is dropped, not remembered:
     kept, every excess would come back in later rounds and crowd out new updates.
+    ``model`` is the model the delta starts from (the replica), which
+    ``budget-worth = "relative"`` measures each tensor's change against.
     """
     subspace = cfg.subspace(server_round)
     meta = {"round": server_round}
     budget = cfg.uplink_budget_bytes(shapes)
     if budget is not None:  # config refuses a budget with a subspace or client-level DP
         return encode_within_budget(delta, cfg.uplink_policy, budget, feedback=feedback,
-                                    rng=rng, meta=meta), {}
+                                    rng=rng, meta=meta, model=model), {}
     if subspace is None and cfg.dp != "client":
         return encode_update(delta, cfg.uplink_policy, feedback=feedback, rng=rng, meta=meta), {}
     compensated = feedback.compensate(delta)
@@ -370,7 +374,8 @@ def run_client_round(
     update, clip_metrics = encode_delta(
         cfg, feedback, delta, server_round=server_round,
         clip_norm=cfg.dp_clip_norm if clip_norm is None else clip_norm,
-        rng=np.random.default_rng([cfg.seed, client_seed, server_round]), shapes=shapes)
+        rng=np.random.default_rng([cfg.seed, client_seed, server_round]), shapes=shapes,
+        model=state.replica.model)
     dp_metrics.update(clip_metrics)
     if isinstance(feedback, ErrorFeedback):  # a poisoned message leaves memory alone
         state.unconfirmed = update.payload
