@@ -4,7 +4,7 @@
 The budget's water-filling (:class:`fedcomp.codecs.budget.Allocator`) sends each
 tensor the entries whose kept energy, times the tensor's weight, is worth their bits.
 Which weight is right decides the split, and a training run per candidate takes
-minutes; this probe shows the split of real updates in under a minute. It trains the
+minutes; this probe shows the split of real updates in about a minute. It trains the
 headline's model (non-IID Fashion-MNIST, 100 Dirichlet clients, alpha 0.3) with
 plain FedAvg for a few rounds in one process, then for a few clients' next local
 epoch allocates the budget under:
@@ -15,7 +15,11 @@ epoch allocates the budget under:
   empirical Fisher, the mean squared minibatch gradient at the global model: what a
   unit of change costs or gains in loss there), ``fisher/ms`` (the same over the
   mean square of the fresh delta), ``size^-1/2`` (each tensor's energy over the
-  square root of its number of entries, which favours small tensors).
+  square root of its number of entries, which favours small tensors), ``output``
+  (each tensor's energy times how much its update moves the model's outputs per
+  unit of energy: ``|J d|^2 / |d|^2`` on a batch of the client's data, a
+  Jacobian-vector product), ``coherence`` (each tensor's energy times the share of
+  its clients' update energy that survives their mean, over the clients probed).
 
 It prints each tensor's share of entries sent (mean over the clients) beside the
 hand-tuned configuration's (``fedcomp-best``): the split that reaches the target in
@@ -73,9 +77,48 @@ def empirical_fisher(model: nn.Module, x: np.ndarray, y: np.ndarray,
     return {name: value / max(batches, 1) for name, value in sums.items()}
 
 
+def output_gain(model: nn.Module, start: dict[str, np.ndarray],
+                delta: dict[str, np.ndarray], x: np.ndarray) -> dict[str, float]:
+    """Each tensor's ``|J d|^2 / |d|^2``: the squared change of the outputs (logits,
+    summed over classes, mean over ``x``) that its update ``d`` alone makes at
+    ``start``, to first order, per unit of its energy (1 for an all-zero update)."""
+    from torch.func import functional_call, jvp
+
+    params = {k: torch.from_numpy(v.copy()) for k, v in start.items()}
+    inputs = torch.from_numpy(x)
+    gains = {}
+    for name, value in delta.items():
+        energy = float(np.dot(value.reshape(-1).astype(np.float64),
+                              value.reshape(-1).astype(np.float64)))
+        if energy == 0:
+            gains[name] = 1.0
+            continue
+
+        def outputs(tensor: torch.Tensor, name: str = name) -> torch.Tensor:
+            return functional_call(model, {**params, name: tensor}, (inputs,))
+
+        _, moved = jvp(outputs, (params[name],), (torch.from_numpy(value.copy()),))
+        gains[name] = float(moved.double().pow(2).sum()) / len(x) / energy
+    return gains
+
+
+def coherence(deltas: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Each tensor's ``|mean d|^2 / mean |d|^2`` over clients' updates ``deltas``: 1
+    where they agree, ``1 / len(deltas)`` for orthogonal ones of equal size."""
+    out = {}
+    for name in deltas[0]:
+        stack = np.stack([d[name].astype(np.float64) for d in deltas])
+        spread = float(np.mean(np.sum(stack.reshape(len(deltas), -1) ** 2, axis=1)))
+        out[name] = float(np.sum(stack.mean(axis=0) ** 2)) / spread if spread else 1.0
+    return out
+
+
 def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
-             start: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
-    """The tensors' weights under each measure probed."""
+             start: dict[str, np.ndarray], *, gains: dict[str, float] | None = None,
+             agreement: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """The tensors' weights under each measure probed (``output`` and ``coherence``
+    where ``gains`` (:func:`output_gain`) and ``agreement`` (:func:`coherence`) are
+    given)."""
     mean_square = {k: float(np.mean(np.square(v, dtype=np.float64))) or 1.0
                    for k, v in delta.items()}
     return {"energy": worth_weights("energy", delta),
@@ -83,7 +126,9 @@ def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
             "relative": worth_weights("relative", delta, start),
             "fisher": {k: fisher[k] for k in delta},
             "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta},
-            "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()}}
+            "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()},
+            **({"output": dict(gains)} if gains is not None else {}),
+            **({"coherence": dict(agreement)} if agreement is not None else {})}
 
 
 def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float,
@@ -113,14 +158,20 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
     budget_bits = 8.0 * (parse_budget(budget).payload_bytes(numel) - OVERHEAD_BYTES)
     template = Pipeline.parse("topk|ternary:mode=mean")
     models = {k: TopKFamily(template, v.size, VALUE_CHOICES).models for k, v in start.items()}
-    shares: dict[str, dict[str, list[float]]] = {}
+    probed = []
     for client in rng.choice(len(data), clients, replace=False):
         load(start)
         fisher = empirical_fisher(model, data[client].x, data[client].y)
         train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
               seed=int(client))
         delta = {k: v - start[k] for k, v in state_arrays(model).items()}
-        for measure, weights in measures(delta, fisher, start).items():
+        load(start)
+        probed.append((delta, fisher, output_gain(model, start, delta, data[client].x[:128])))
+    agreement = coherence([delta for delta, _, _ in probed])
+    shares: dict[str, dict[str, list[float]]] = {}
+    for delta, fisher, gains in probed:
+        for measure, weights in measures(delta, fisher, start, gains=gains,
+                                         agreement=agreement).items():
             for name, choice in Allocator(delta, models, weights).allocate(budget_bits).items():
                 shares.setdefault(measure, {}).setdefault(name, []).append(
                     choice.count / delta[name].size)

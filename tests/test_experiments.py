@@ -163,6 +163,40 @@ def test_worth_probe_fisher_is_the_mean_squared_minibatch_gradient():
     weights = probe.measures(delta, fisher, start)
     assert weights["energy"] == {"weight": 1.0, "bias": 1.0}
     assert weights["relative"] == pytest.approx({"weight": 1 / (24 + 1.5), "bias": 1 / 2})
+    assert "output" not in weights and "coherence" not in weights
     assert weights["fisher/ms"]["weight"] == pytest.approx(fisher["weight"] / 0.25)
     assert weights["fisher/ms"]["bias"] == pytest.approx(fisher["bias"])  # all-zero delta
     assert weights["size^-1/2"] == pytest.approx({"weight": 6 ** -0.5, "bias": 2 ** -0.5})
+
+
+def test_worth_probe_output_gain_is_the_outputs_change_per_unit_of_energy():
+    """For a linear layer ``y = W x + b``, an update ``dW`` alone moves the outputs by
+    ``dW x`` and ``db`` by ``db`` on every example; an all-zero update gains 1."""
+    import torch
+    from torch import nn
+
+    probe = _load("budget_worth_probe")
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    start = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3)).astype(np.float32)
+    delta = {"weight": rng.standard_normal((2, 3)).astype(np.float32),
+             "bias": np.array([0.5, -1.0], np.float32)}
+    gains = probe.output_gain(model, start, delta, x)
+    moved = x @ delta["weight"].T.astype(np.float64)
+    assert gains["weight"] == pytest.approx(
+        np.sum(moved ** 2) / 4 / np.sum(delta["weight"].astype(np.float64) ** 2), rel=1e-5)
+    assert gains["bias"] == pytest.approx(1.0, rel=1e-6)
+    assert probe.output_gain(model, start, {"bias": np.zeros(2, np.float32)}, x) == {"bias": 1.0}
+
+
+def test_worth_probe_coherence_is_one_for_agreeing_updates_and_falls_as_they_cancel():
+    probe = _load("budget_worth_probe")
+    same = {"a": np.array([1.0, 2.0], np.float32)}
+    assert probe.coherence([same, same]) == {"a": pytest.approx(1.0)}
+    opposite = [{"a": np.array([1.0, 0.0], np.float32)}, {"a": np.array([-1.0, 0.0], np.float32)}]
+    assert probe.coherence(opposite) == {"a": 0.0}
+    orthogonal = [{"a": np.array([1.0, 0.0], np.float32)}, {"a": np.array([0.0, 1.0], np.float32)}]
+    assert probe.coherence(orthogonal) == {"a": pytest.approx(0.5)}
+    assert probe.coherence([{"z": np.zeros(2, np.float32)}] * 2) == {"z": 1.0}
