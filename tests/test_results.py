@@ -5,7 +5,15 @@ from __future__ import annotations
 import csv
 import json
 
-from fedcomp.ops.results import ROUND_COLUMNS, RoundRecord, RunRecorder, format_summary_table
+import pytest
+
+from fedcomp.ops.results import (
+    ROUND_COLUMNS,
+    RoundRecord,
+    RunFolderBusy,
+    RunRecorder,
+    format_summary_table,
+)
 
 
 def test_rounds_csv_and_summary_json(tmp_path):
@@ -126,3 +134,41 @@ def test_a_deployed_runs_wire_bytes_are_summed_and_compared_per_node_and_round(t
     with open(tmp_path / "run" / "rounds.csv") as handle:
         assert [r["wire_up_bytes"] for r in csv.DictReader(handle)] == ["12000", "28000"]
     assert "on the wire, per node and round (3 measured): up 13.3 kB" in capsys.readouterr().out
+
+
+def test_a_second_process_cannot_write_a_run_folder_while_its_run_goes_on(tmp_path):
+    """A run still writing its folder (a Flower run a stopped sweep left behind) is
+    not overwritten by another run started there: that one stops, naming the
+    writer's pid, before it truncates rounds.csv. Once the writer finishes (or dies:
+    the kernel drops its lock) the folder is free again."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys\n"
+         "from fedcomp.ops.results import RunRecorder\n"
+         f"r = RunRecorder({str(folder)!r}, {{}}, model_bytes=1000, num_rounds=3, "
+         "verbose=False)\n"
+         "print('locked', flush=True)\n"
+         "sys.stdin.readline()\n"
+         "r.finish()\n"
+         "print('finished', flush=True)\n"
+         "sys.stdin.readline()\n"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (folder / "rounds.csv").write_text("what the running run wrote\n")
+        with pytest.raises(RunFolderBusy, match=f"pid {holder.pid}"):
+            RunRecorder(folder, {}, model_bytes=1000, num_rounds=3, verbose=False)
+        assert (folder / "rounds.csv").read_text() == "what the running run wrote\n"
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "finished"
+        recorder = RunRecorder(folder, {}, model_bytes=1000, num_rounds=3, verbose=False)
+        again = RunRecorder(folder, {}, model_bytes=1000, num_rounds=3, verbose=False)
+        assert recorder.out_dir == again.out_dir  # one process may make it again
+    finally:
+        holder.kill()
+        holder.wait()

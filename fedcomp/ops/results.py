@@ -4,6 +4,11 @@ Every byte figure is the length of payloads actually put into messages, summed w
 they were produced or received, never a codec's formula. ``rounds.csv`` is appended
 (and flushed) after every round, so a long run can be watched, or loaded from a
 notebook (``pandas.read_csv``), while it runs.
+
+One process writes a run's folder at a time: a recorder holds an advisory lock on
+``.fedcomp.lock`` in it until :meth:`RunRecorder.finish`, so a second run started
+into the same folder (a sweep re-run while a Flower run it lost track of still
+writes there) stops with :class:`RunFolderBusy` before it truncates ``rounds.csv``.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "ROUND_COLUMNS",
     "TEXT_ROUND_COLUMNS",
     "RoundRecord",
+    "RunFolderBusy",
     "RunRecorder",
     "format_summary_table",
     "format_wire_line",
@@ -202,6 +208,56 @@ def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
     record.downlink_tensor_sent = _tensor_sent(kept, numel)
 
 
+class RunFolderBusy(RuntimeError):
+    """Another live process is writing this run's results folder."""
+
+
+#: The name of the lock file in a run's folder.
+LOCK_FILE = ".fedcomp.lock"
+
+#: Folders whose lock this process holds, and the open lock files that hold them:
+#: a recorder made again in the same process (a resumed run, a test) shares it.
+_HELD_LOCKS: dict[Path, Any] = {}
+
+
+def _lock_folder(folder: Path) -> None:
+    """Take the folder's lock for this process, or raise :class:`RunFolderBusy`
+    naming the process that holds it. The lock is ``flock``'s: the kernel drops it
+    when its holder exits, however it exits, so a crashed run never leaves a folder
+    locked. Where ``fcntl`` is missing (Windows) folders are not guarded."""
+    key = folder.resolve()
+    if key in _HELD_LOCKS:
+        return
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        return
+    handle = (folder / LOCK_FILE).open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunFolderBusy(
+            f"results folder {folder} is being written by another process (pid {owner}): "
+            f"a run is still going there, e.g. a Flower run a stopped sweep left behind "
+            f"(stop it, e.g. `kill {owner}`, or give this run another folder)") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _HELD_LOCKS[key] = handle
+
+
+def _unlock_folder(folder: Path) -> None:
+    """Give up the folder's lock (closing the file drops it; the file stays, empty of
+    meaning: unlinking it could race a process that has just opened it)."""
+    handle = _HELD_LOCKS.pop(folder.resolve(), None)
+    if handle is not None:
+        handle.close()
+
+
 class RunRecorder:
     """Writes one run's results folder and prints progress.
 
@@ -217,12 +273,18 @@ class RunRecorder:
         A differentially private run: per-client rows are not written, and
         ``release/`` gets the rounds and summary that may be published
         (:mod:`fedcomp.privacy.release`).
+
+    Raises
+    ------
+    RunFolderBusy
+        If another live process holds ``out_dir``'s lock (it is writing a run there).
     """
 
     def __init__(self, out_dir: str | Path, config: dict[str, Any], *, model_bytes: int,
                  num_rounds: int, verbose: bool = True, private: bool = False) -> None:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        _lock_folder(self.out_dir)  # before anything in the folder is rewritten
         self.config = config
         self.model_bytes = model_bytes
         self.num_rounds = num_rounds
@@ -419,12 +481,14 @@ class RunRecorder:
         }
 
     def finish(self) -> dict[str, Any]:
-        """Write ``summary.json`` and print the summary table; return the summary."""
+        """Write ``summary.json``, give up the folder's lock and print the summary
+        table; return the summary."""
         summary = self.summary()
         (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         if self.private:
             (self.out_dir / "release" / "summary.json").write_text(
                 json.dumps(released_summary(summary), indent=2) + "\n")
+        _unlock_folder(self.out_dir)
         if self.verbose:
             print(format_summary_table([summary]) + "\n" + FP32_NOTE, flush=True)
             if wire := summary.get("wire"):
