@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fedcomp.ops.cli import _TableFilter
 from fedcomp.ops.results import format_summary_table
 
@@ -142,3 +144,48 @@ def test_a_stale_local_superlink_is_stopped(tmp_path, capsys):
         assert f"pid {child.pid}" in capsys.readouterr().out
     finally:
         child.kill()
+
+
+def _fake_flwr(tmp_path):
+    """A stand-in for the ``flwr`` tool that records its arguments."""
+    calls = tmp_path / "calls.txt"
+    tool = tmp_path / "flwr"
+    tool.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho {{}}\n')
+    tool.chmod(0o755)
+    return str(tool), calls
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_command_stops_the_flower_run_it_waits_on(tmp_path, how):
+    """The Flower run does not belong to the command that started it: interrupted
+    (Ctrl-C, or SIGTERM as a job runner sends), the command stops the run with
+    ``flwr stop`` before it exits, so the run does not go on writing its folder."""
+    import os
+    import signal
+
+    from fedcomp.ops.cli import _stops_run_when_interrupted
+
+    tool, calls = _fake_flwr(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), \
+            _stops_run_when_interrupted(tool, "1234", "local", dict(os.environ)):
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # the handler raises before this returns
+    assert calls.read_text().split() == ["stop", "1234", "local", "--format", "json"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_a_run_that_ends_by_itself_is_not_stopped(tmp_path):
+    import os
+    import signal
+
+    from fedcomp.ops.cli import _stops_run_when_interrupted
+
+    tool, calls = _fake_flwr(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+    with _stops_run_when_interrupted(tool, "1234", "local", dict(os.environ)):
+        pass
+    assert not calls.exists()
+    assert signal.getsignal(signal.SIGTERM) is before

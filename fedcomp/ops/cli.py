@@ -20,14 +20,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = ["flower_env", "flower_runner", "main"]
 
@@ -151,7 +155,8 @@ def _flower_run(project: Path, connection: str, run_config: str, *, federation: 
         raise RuntimeError(f"flwr run failed: {started}")
     run_id = str(started["run-id"])
     print(f"fedcomp: started Flower run {run_id} ({where})", flush=True)
-    held_table, quiet_tail = _stream(run_id, connection, env, verbose=verbose)
+    with _stops_run_when_interrupted(flwr, run_id, connection, env):
+        held_table, quiet_tail = _stream(run_id, connection, env, verbose=verbose)
     status = ""
     for _ in range(60):  # the log stream can end a moment before the status is final
         listing = _run_json([flwr, "ls", connection, "--run-id", run_id,
@@ -161,6 +166,44 @@ def _flower_run(project: Path, connection: str, run_config: str, *, federation: 
             break
         time.sleep(1)
     return run_id, status, held_table, quiet_tail
+
+
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C is, so that one handler stops the Flower run."""
+
+
+@contextlib.contextmanager
+def _stops_run_when_interrupted(flwr: str, run_id: str, connection: str,
+                                env: dict[str, str]) -> Iterator[None]:
+    """Stop Flower run ``run_id`` (``flwr stop``) if this command is interrupted
+    (Ctrl-C or SIGTERM) while it waits on the run: the run does not belong to this
+    process, and left alone it would go on training and writing its results folder."""
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise _Interrupted
+
+    # Only the main thread may set handlers; elsewhere Ctrl-C still stops the run.
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if in_main else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"\nfedcomp: interrupted; stopping Flower run {run_id}", file=sys.stderr,
+              flush=True)
+        if in_main:  # a second TERM must not cut the stop short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            stopped = subprocess.run([flwr, "stop", run_id, connection, "--format", "json"],
+                                     env=env, capture_output=True, text=True, check=False,
+                                     timeout=60)
+            if stopped.returncode != 0:
+                print(f"fedcomp: `flwr stop {run_id}` failed (exit {stopped.returncode}): "
+                      f"{stopped.stdout.strip()} {stopped.stderr.strip()}", file=sys.stderr)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            print(f"fedcomp: could not stop Flower run {run_id}: {exc}", file=sys.stderr)
+        raise
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run_app(args: argparse.Namespace, *, federation: str | None, where: str,
