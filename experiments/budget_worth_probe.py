@@ -19,7 +19,10 @@ epoch allocates the budget under:
   (each tensor's energy times how much its update moves the model's outputs per
   unit of energy: ``|J d|^2 / |d|^2`` on a batch of the client's data, a
   Jacobian-vector product), ``coherence`` (each tensor's energy times the share of
-  its clients' update energy that survives their mean, over the clients probed).
+  its clients' update energy that survives their mean, over the clients probed),
+  ``within-client`` (the same over two updates of one client, each trained from
+  the global model on half of its data: how much of the update is signal rather
+  than minibatch noise).
 
 It prints each tensor's share of entries sent (mean over the clients) beside the
 hand-tuned configuration's (``fedcomp-best``): the split that reaches the target in
@@ -114,11 +117,11 @@ def coherence(deltas: list[dict[str, np.ndarray]]) -> dict[str, float]:
 
 
 def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
-             start: dict[str, np.ndarray], *, gains: dict[str, float] | None = None,
-             agreement: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
-    """The tensors' weights under each measure probed (``output`` and ``coherence``
-    where ``gains`` (:func:`output_gain`) and ``agreement`` (:func:`coherence`) are
-    given)."""
+             start: dict[str, np.ndarray], *,
+             extra: dict[str, dict[str, float]] | None = None
+             ) -> dict[str, dict[str, float]]:
+    """The tensors' weights under each measure probed; ``extra``: measures computed
+    elsewhere (:func:`output_gain`, :func:`coherence`), by name."""
     mean_square = {k: float(np.mean(np.square(v, dtype=np.float64))) or 1.0
                    for k, v in delta.items()}
     return {"energy": worth_weights("energy", delta),
@@ -127,8 +130,7 @@ def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
             "fisher": {k: fisher[k] for k in delta},
             "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta},
             "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()},
-            **({"output": dict(gains)} if gains is not None else {}),
-            **({"coherence": dict(agreement)} if agreement is not None else {})}
+            **{name: dict(weights) for name, weights in (extra or {}).items()}}
 
 
 def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float,
@@ -166,12 +168,20 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
               seed=int(client))
         delta = {k: v - start[k] for k, v in state_arrays(model).items()}
         load(start)
-        probed.append((delta, fisher, output_gain(model, start, delta, data[client].x[:128])))
-    agreement = coherence([delta for delta, _, _ in probed])
+        gains = output_gain(model, start, delta, data[client].x[:128])
+        halves = []
+        size = len(data[client].y)
+        for part in (slice(0, size // 2), slice(size // 2, size)):
+            load(start)
+            train(model, data[client].x[part], data[client].y[part], lr=lr,
+                  momentum=momentum, seed=int(client))
+            halves.append({k: v - start[k] for k, v in state_arrays(model).items()})
+        probed.append((delta, fisher, {"output": gains, "within-client": coherence(halves)}))
+    across = coherence([delta for delta, _, _ in probed])
     shares: dict[str, dict[str, list[float]]] = {}
-    for delta, fisher, gains in probed:
-        for measure, weights in measures(delta, fisher, start, gains=gains,
-                                         agreement=agreement).items():
+    for delta, fisher, extra in probed:
+        for measure, weights in measures(delta, fisher, start,
+                                         extra={**extra, "coherence": across}).items():
             for name, choice in Allocator(delta, models, weights).allocate(budget_bits).items():
                 shares.setdefault(measure, {}).setdefault(name, []).append(
                     choice.count / delta[name].size)

@@ -164,6 +164,8 @@ def test_worth_probe_fisher_is_the_mean_squared_minibatch_gradient():
     assert weights["energy"] == {"weight": 1.0, "bias": 1.0}
     assert weights["relative"] == pytest.approx({"weight": 1 / (24 + 1.5), "bias": 1 / 2})
     assert "output" not in weights and "coherence" not in weights
+    assert probe.measures(delta, fisher, start, extra={"output": {"weight": 3.0, "bias": 1.0}}
+                          )["output"] == {"weight": 3.0, "bias": 1.0}
     assert weights["fisher/ms"]["weight"] == pytest.approx(fisher["weight"] / 0.25)
     assert weights["fisher/ms"]["bias"] == pytest.approx(fisher["bias"])  # all-zero delta
     assert weights["size^-1/2"] == pytest.approx({"weight": 6 ** -0.5, "bias": 2 ** -0.5})
