@@ -189,3 +189,14 @@ def test_a_run_that_ends_by_itself_is_not_stopped(tmp_path):
         pass
     assert not calls.exists()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_interrupted_command_exits_130_without_a_traceback(monkeypatch, capsys):
+    from fedcomp.ops import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "presets", interrupted)  # the parser binds it when built
+    assert cli.main(["presets"]) == 130
+    assert "interrupted" in capsys.readouterr().err

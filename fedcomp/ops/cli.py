@@ -464,7 +464,11 @@ def report(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM; a Flower run waited on is stopped
+        print("fedcomp: interrupted", file=sys.stderr)
+        return 130
 
 
 def presets(args: argparse.Namespace) -> int:
