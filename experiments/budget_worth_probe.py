@@ -28,7 +28,7 @@ It prints each tensor's share of entries sent (mean over the clients) beside the
 hand-tuned configuration's (``fedcomp-best``): the split that reaches the target in
 more seeds than the budget does (experiments/RESULTS.md, "One byte budget").
 
-    python experiments/budget_worth_probe.py [--warmup-rounds 20] [--clients 6]
+    python experiments/budget_worth_probe.py [--warmup-rounds 20] [--clients 6] [--values ternary]
 
 Nothing is asserted: a probe reports, sweeps decide.
 """
@@ -134,8 +134,10 @@ def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
 
 
 def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float,
-          momentum: float) -> dict[str, dict[str, float]]:
-    """Each measure's mean share of entries sent per tensor."""
+          momentum: float, values: str = "auto") -> dict[str, dict[str, float]]:
+    """Each measure's mean share of entries sent per tensor; ``values``: the value
+    codings the budget chooses from (``"auto"``, as ``budget-values = "auto"``), or
+    ``"ternary"`` only (``budget-values = "codec"`` with a ternary codec)."""
     data, _ = dirichlet_clients("fashion-mnist", 100, alpha=0.3, seed=seed)
     model = build_model("fashion-mnist", seed=seed)
     rng = np.random.default_rng(seed)
@@ -159,7 +161,8 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
     numel = sum(v.size for v in start.values())
     budget_bits = 8.0 * (parse_budget(budget).payload_bytes(numel) - OVERHEAD_BYTES)
     template = Pipeline.parse("topk|ternary:mode=mean")
-    models = {k: TopKFamily(template, v.size, VALUE_CHOICES).models for k, v in start.items()}
+    choices = VALUE_CHOICES if values == "auto" else ()  # (): the template's ternary
+    models = {k: TopKFamily(template, v.size, choices).models for k, v in start.items()}
     probed = []
     for client in rng.choice(len(data), clients, replace=False):
         load(start)
@@ -205,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="plain FedAvg rounds before the probe")
     parser.add_argument("--clients", type=int, default=6, help="updates probed")
     parser.add_argument("--budget", default="400x")
+    parser.add_argument("--values", choices=("auto", "ternary"), default="auto",
+                        help="value codings the budget picks from: all of budget-values = "
+                             "'auto', or one sign bit and a scale (ternary) only")
     parser.add_argument("--seed", type=int, default=4, help="data split, model, sampling")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
@@ -216,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     rows: dict[str, Any] = probe(warmup_rounds=args.warmup_rounds, clients=args.clients,
                                  budget=args.budget, seed=args.seed, lr=args.lr,
-                                 momentum=args.momentum)
-    print(f"Share of each tensor's entries a {args.budget} budget sends, by worth measure "
-          f"(mean over {args.clients} updates after {args.warmup_rounds} FedAvg rounds)")
+                                 momentum=args.momentum, values=args.values)
+    print(f"Share of each tensor's entries a {args.budget} budget sends "
+          f"({'ternary values' if args.values == 'ternary' else 'value codings auto'}), "
+          f"by worth measure (mean over {args.clients} updates after "
+          f"{args.warmup_rounds} FedAvg rounds)")
     print_table(rows)
     return 0
 
