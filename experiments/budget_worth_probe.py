@@ -91,8 +91,8 @@ def output_gain(model: nn.Module, start: dict[str, np.ndarray],
     inputs = torch.from_numpy(x)
     gains = {}
     for name, value in delta.items():
-        energy = float(np.dot(value.reshape(-1).astype(np.float64),
-                              value.reshape(-1).astype(np.float64)))
+        flat = value.reshape(-1).astype(np.float64)
+        energy = float(flat @ flat)
         if energy == 0:
             gains[name] = 1.0
             continue

@@ -168,10 +168,6 @@ def _flower_run(project: Path, connection: str, run_config: str, *, federation: 
     return run_id, status, held_table, quiet_tail
 
 
-class _Interrupted(KeyboardInterrupt):
-    """SIGTERM, raised as Ctrl-C is, so that one handler stops the Flower run."""
-
-
 @contextlib.contextmanager
 def _stops_run_when_interrupted(flwr: str, run_id: str, connection: str,
                                 env: dict[str, str]) -> Iterator[None]:
@@ -179,7 +175,7 @@ def _stops_run_when_interrupted(flwr: str, run_id: str, connection: str,
     (Ctrl-C or SIGTERM) while it waits on the run: the run does not belong to this
     process, and left alone it would go on training and writing its results folder."""
     def on_sigterm(signum: int, frame: Any) -> None:
-        raise _Interrupted
+        raise KeyboardInterrupt  # as Ctrl-C is, so that one handler stops the run
 
     # Only the main thread may set handlers; elsewhere Ctrl-C still stops the run.
     in_main = threading.current_thread() is threading.main_thread()
