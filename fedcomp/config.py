@@ -162,6 +162,7 @@ class RunConfig:
     results_dir: str = "results"
     _policies: tuple[CompressionPolicy, CompressionPolicy] = field(
         init=False, repr=False, compare=False)
+    _notices: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -308,6 +309,18 @@ class RunConfig:
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"
                                 ) from None
         object.__setattr__(self, "_policies", tuple(policies))
+        notices = []
+        for (codec_key, codec), policy in zip(
+                (("codec", self.codec), ("downlink-codec", self.downlink_codec)), policies,
+                strict=True):
+            if policy.budget_sends_fp32_values:
+                side = "uplink" if codec_key == "codec" else "downlink"
+                notices.append(
+                    f"run config {codec_key!r} = {codec!r} has no value stage, so with "
+                    f"budget-values = 'codec' the {side} budget sends every kept value in "
+                    f"fp32; add one (e.g. '{codec}|quant:bits=4') or set budget-values = "
+                    f"'auto'")
+        object.__setattr__(self, "_notices", tuple(notices))
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], *, explicit: bool = False) -> RunConfig:
@@ -343,6 +356,12 @@ class RunConfig:
     @property
     def downlink_policy(self) -> CompressionPolicy:
         return self._policies[1]
+
+    @property
+    def notices(self) -> tuple[str, ...]:
+        """Settings that are legal but rarely meant, one sentence each: the server
+        prints them before round 1 and ``fedcomp sweep`` before its first run."""
+        return self._notices
 
     def uplink_budget_bytes(self, shapes: Mapping[str, Any]) -> int | None:
         """The most payload bytes one update of a model of ``shapes`` may take under

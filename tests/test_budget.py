@@ -511,6 +511,25 @@ def test_run_config_refuses_a_budget_below_the_model_floor_naming_what_fits():
     assert RunConfig.from_mapping({"uplink-budget": "1000B"}).uplink_budget_bytes(SHAPES) == 1000
 
 
+def test_a_budget_that_codes_values_in_fp32_is_noted_naming_the_key():
+    # budget-values = "codec" holds both ways: a bare Top-K downlink then sends fp32
+    # values, which a run prints a note about before round 1.
+    bare_down = RunConfig.from_mapping({
+        "uplink-budget": "400x", "downlink-budget": "40x", "budget-values": "codec",
+        "codec": "topk|ternary:mode=mean", "downlink-codec": "topk"})
+    assert len(bare_down.notices) == 1
+    assert "'downlink-codec' = 'topk' has no value stage" in bare_down.notices[0]
+    assert "downlink budget sends every kept value in fp32" in bare_down.notices[0]
+    both_bare = bare_down.replace(codec="topk")
+    assert [n.split(" = ")[0] for n in both_bare.notices] == [
+        "run config 'codec'", "run config 'downlink-codec'"]
+    for quiet in (bare_down.replace(downlink_codec="topk|quant:bits=4"),
+                  bare_down.replace(budget_values="auto"),
+                  bare_down.replace(downlink_budget=""),
+                  RunConfig.from_mapping({"codec": "topk", "downlink-codec": "topk"})):
+        assert quiet.notices == ()
+
+
 def test_the_server_reads_each_clients_choices_from_its_payload():
     budget = parse_budget("500x").payload_bytes(NUMEL)
     replies, sent = [], {}

@@ -86,6 +86,16 @@ def test_methods_times_grid_and_bad_sweeps_are_refused():
     assert {r.run_id for r in held_out if r.values["seed"] in (0, 1)} <= headline_ids
 
 
+def test_a_sweep_names_each_methods_notices_once_before_its_runs():
+    budgeted = {"uplink-budget": "400x", "downlink-budget": "40x",
+                "budget-values": "codec", "codec": "topk|ternary:mode=mean"}
+    sweep = Sweep(base=budgeted, grid={"seed": [0, 1, 2]},
+                  methods=[{"name": "bare down", "downlink-codec": "topk"},
+                           {"name": "4-bit down", "downlink-codec": "topk|quant:bits=4"}])
+    assert len(sweep.notices) == 1
+    assert sweep.notices[0].startswith("bare down: run config 'downlink-codec' = 'topk'")
+
+
 def test_an_interrupted_sweep_reruns_only_the_missing_runs(tmp_path):
     sweep, calls = _sweep(), []
     interrupted = []

@@ -32,6 +32,7 @@ from fedcomp.codecs.budget import (
     Choice,
     TopKFamily,
     next_target,
+    value_bits,
     worth_weights,
 )
 from fedcomp.codecs.feedback import FeedbackMemory, NoFeedback
@@ -158,6 +159,15 @@ class CompressionPolicy:
             if self.budget_worth != "energy":
                 text += f" worth {self.budget_worth}"
         return text
+
+    @property
+    def budget_sends_fp32_values(self) -> bool:
+        """Whether a budget codes every kept value in 32 bits: budgeted, with no value
+        codings to choose from and no value stage after the codec's Top-K (e.g. a
+        bare ``"topk"``). Legal, but rarely meant: a 4-bit coding of the same bytes
+        keeps about eight times as many entries."""
+        return (self.budgeted and not self.budget_values
+                and value_bits(self._pipelines[0]) >= 32)
 
     def family_for(self, shape: Sequence[int], name: str | None = None
                    ) -> TopKFamily | None:

@@ -401,6 +401,8 @@ def sweep(args: argparse.Namespace) -> int:
     plan = Sweep.load(args.file)
     print(f"sweep {plan.name}: {len(plan.runs)} runs x {plan.num_supernodes} clients -> "
           f"{args.out}", flush=True)
+    for notice in plan.notices:
+        print(f"note: {notice}", flush=True)
     runner = flower_runner(Path(args.app), connection=args.connection,
                            cpus_per_client=args.cpus_per_client, verbose=args.verbose)
     rows = run_sweep(plan, args.out, runner, fingerprint=encoder_of)

@@ -126,6 +126,18 @@ class Sweep:
             raise SpecError("two grid combinations give the same settings (duplicate values?)")
         object.__setattr__(self, "runs", runs)
 
+    @property
+    def notices(self) -> list[str]:
+        """Each method's :attr:`RunConfig.notices <fedcomp.config.RunConfig.notices>`
+        once, prefixed with the method's name: printed before the first run, since a
+        sweep's runs print theirs only into their own logs."""
+        seen: dict[str, None] = {}
+        for run in self.runs:
+            method = run.values.get("method")
+            for notice in run.config.notices:
+                seen.setdefault(f"{method}: {notice}" if method else notice, None)
+        return list(seen)
+
     @classmethod
     def load(cls, path: str | Path) -> Sweep:
         path = Path(path)
