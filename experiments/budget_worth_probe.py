@@ -28,7 +28,14 @@ It prints each tensor's share of entries sent (mean over the clients) beside the
 hand-tuned configuration's (``fedcomp-best``): the split that reaches the target in
 more seeds than the budget does (experiments/RESULTS.md, "One byte budget").
 
+With ``--feedback-rounds R`` it follows the split with error feedback instead, as a
+run makes it (:func:`feedback_probe`, about 9 minutes with ``--clients 4
+--feedback-rounds 12``): a few clients, each taking part every ``--gap`` FedAvg
+rounds, keep one residual per measure, and the mean share over their last R/2
+rounds is printed.
+
     python experiments/budget_worth_probe.py [--warmup-rounds 20] [--clients 6] [--values ternary]
+    python experiments/budget_worth_probe.py --clients 4 --feedback-rounds 12 [--gap 10]
 
 Nothing is asserted: a probe reports, sweeps decide.
 """
@@ -36,6 +43,7 @@ Nothing is asserted: a probe reports, sweeps decide.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from typing import Any
@@ -192,6 +200,106 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
             for measure, per in shares.items()}
 
 
+def send_with_feedback(delta: dict[str, np.ndarray], residual: dict[str, np.ndarray],
+                       families: dict[str, TopKFamily], weights: dict[str, float],
+                       budget_bits: float, *, rng: np.random.Generator
+                       ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """One budgeted update with error feedback, as a client sends it: the budget
+    allocated to ``delta + residual`` under ``weights``, each tensor coded as its
+    choice says. Returns each tensor's share of entries sent and the new residual
+    (what the decoded payload did not carry)."""
+    compensated = {k: delta[k] + residual[k] for k in delta}
+    allocation = Allocator(compensated, {k: f.models for k, f in families.items()},
+                           weights).allocate(budget_bits)
+    shares, kept = {}, {}
+    for name, choice in allocation.items():
+        sent: Any = 0.0
+        if choice.count:
+            pipeline = families[name].with_choice(choice.count, choice.values)
+            _, sent = pipeline.roundtrip(compensated[name], rng=rng)
+        kept[name] = (compensated[name] - sent).astype(np.float32)
+        shares[name] = choice.count / compensated[name].size
+    return shares, kept
+
+
+#: The measures the error-feedback probe follows (each with its own residuals).
+FEEDBACK_MEASURES = ("energy", "adaptive", "relative", "fisher", "size^-1/2")
+
+
+def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str,
+                   seed: int, lr: float, momentum: float, values: str = "auto",
+                   gap: int = 10) -> dict[str, dict[str, float]]:
+    """Each measure's mean share of entries sent per tensor over the second half of
+    ``rounds`` rounds *with error feedback*, as a run sends them.
+
+    One round's allocation (:func:`probe`) misses what decides a run's split: a
+    tensor that sends little keeps the rest in its residual, which grows until its
+    entries are worth their bits. Here ``clients`` fixed clients each train from
+    the global model every round; under each measure each keeps its own residual,
+    allocates the budget to its compensated update (delta plus residual), codes the
+    chosen entries with the chosen value coding and keeps what they did not carry.
+    Between two such rounds the global model moves by ``gap`` rounds of plain FedAvg
+    of 10 sampled clients (a client of the headline's setting takes part every 10
+    rounds on average), the same for every measure, so the measures see one
+    trajectory.
+    """
+    data, _ = dirichlet_clients("fashion-mnist", 100, alpha=0.3, seed=seed)
+    model = build_model("fashion-mnist", seed=seed)
+    rng = np.random.default_rng(seed)
+
+    def load(arrays: dict[str, np.ndarray]) -> None:
+        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+
+    def fedavg_round(rnd: int) -> None:
+        start = state_arrays(model)
+        mean = {k: np.zeros_like(v) for k, v in start.items()}
+        chosen = rng.choice(len(data), 10, replace=False)
+        for client in chosen:
+            load(start)
+            train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
+                  seed=rnd * 1000 + int(client))
+            for k, v in state_arrays(model).items():
+                mean[k] += (v - start[k]) / len(chosen)
+        load({k: start[k] + mean[k] for k in start})
+
+    for rnd in range(warmup_rounds):
+        fedavg_round(rnd)
+        print(f"  warm-up round {rnd + 1}/{warmup_rounds}", file=sys.stderr, flush=True)
+    shapes = {k: v.shape for k, v in state_arrays(model).items()}
+    numel = sum(math.prod(v) for v in shapes.values())
+    budget_bits = 8.0 * (parse_budget(budget).payload_bytes(numel) - OVERHEAD_BYTES)
+    template = Pipeline.parse("topk|ternary:mode=mean")
+    choices = VALUE_CHOICES if values == "auto" else ()
+    families = {k: TopKFamily(template, math.prod(v), choices) for k, v in shapes.items()}
+    probed = [int(c) for c in rng.choice(len(data), clients, replace=False)]
+    residuals = {(m, c): {k: np.zeros(v, np.float32) for k, v in shapes.items()}
+                 for m in FEEDBACK_MEASURES for c in probed}
+    shares: dict[str, dict[str, list[float]]] = {}
+    code_rng = np.random.default_rng(seed + 1)
+    for rnd in range(rounds):
+        start = state_arrays(model)
+        for client in probed:
+            load(start)
+            fisher = empirical_fisher(model, data[client].x, data[client].y)
+            train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
+                  seed=(warmup_rounds + rnd * gap) * 1000 + client)
+            delta = {k: v - start[k] for k, v in state_arrays(model).items()}
+            weights = measures(delta, fisher, start)
+            for measure in FEEDBACK_MEASURES:
+                sent, residuals[(measure, client)] = send_with_feedback(
+                    delta, residuals[(measure, client)], families, weights[measure],
+                    budget_bits, rng=code_rng)
+                for name, share in sent.items():
+                    if rnd >= rounds // 2:
+                        shares.setdefault(measure, {}).setdefault(name, []).append(share)
+        load(start)
+        for step in range(gap):
+            fedavg_round(warmup_rounds + rnd * gap + step)
+        print(f"  feedback round {rnd + 1}/{rounds}", file=sys.stderr, flush=True)
+    return {measure: {name: statistics.mean(v) for name, v in per.items()}
+            for measure, per in shares.items()}
+
+
 def print_table(rows: dict[str, dict[str, float]]) -> None:
     names = list(HAND_TUNED)
     table = {"hand-tuned (fedcomp-best)": HAND_TUNED, **rows}
@@ -211,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--values", choices=("auto", "ternary"), default="auto",
                         help="value codings the budget picks from: all of budget-values = "
                              "'auto', or one sign bit and a scale (ternary) only")
+    parser.add_argument("--feedback-rounds", type=int, default=0,
+                        help="follow the split over this many rounds with error feedback "
+                             "(each measure its own residuals) instead of one round "
+                             "without it; the second half's mean is printed")
+    parser.add_argument("--gap", type=int, default=10,
+                        help="FedAvg rounds between two of a probed client's rounds "
+                             "(with --feedback-rounds)")
     parser.add_argument("--seed", type=int, default=4, help="data split, model, sampling")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
@@ -220,13 +335,24 @@ def main(argv: list[str] | None = None) -> int:
     # One thread: torch's parallel reductions round differently with the thread count,
     # and the shares printed should be the same on every machine.
     torch.set_num_threads(1)
-    rows: dict[str, Any] = probe(warmup_rounds=args.warmup_rounds, clients=args.clients,
-                                 budget=args.budget, seed=args.seed, lr=args.lr,
-                                 momentum=args.momentum, values=args.values)
+    if args.feedback_rounds < 0 or args.gap < 1:
+        parser.error("--feedback-rounds must be >= 0 and --gap >= 1")
+    common = dict(warmup_rounds=args.warmup_rounds, clients=args.clients,
+                  budget=args.budget, seed=args.seed, lr=args.lr,
+                  momentum=args.momentum, values=args.values)
+    if args.feedback_rounds:
+        rows: dict[str, Any] = feedback_probe(rounds=args.feedback_rounds, gap=args.gap,
+                                              **common)
+        how = (f"mean over {args.clients} clients' updates in their rounds "
+               f"{args.feedback_rounds // 2 + 1}-{args.feedback_rounds} with error "
+               f"feedback, {args.gap} FedAvg rounds apart, after {args.warmup_rounds} "
+               f"FedAvg rounds")
+    else:
+        rows = probe(**common)
+        how = f"mean over {args.clients} updates after {args.warmup_rounds} FedAvg rounds"
     print(f"Share of each tensor's entries a {args.budget} budget sends "
           f"({'ternary values' if args.values == 'ternary' else 'value codings auto'}), "
-          f"by worth measure (mean over {args.clients} updates after "
-          f"{args.warmup_rounds} FedAvg rounds)")
+          f"by worth measure ({how})")
     print_table(rows)
     return 0
 

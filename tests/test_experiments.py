@@ -193,6 +193,34 @@ def test_worth_probe_output_gain_is_the_outputs_change_per_unit_of_energy():
     assert probe.output_gain(model, start, {"bias": np.zeros(2, np.float32)}, x) == {"bias": 1.0}
 
 
+def test_worth_probe_feedback_keeps_exactly_what_the_budgeted_payload_did_not_carry():
+    from fedcomp.codecs.budget import VALUE_CHOICES, TopKFamily
+    from fedcomp.codecs.pipeline import Pipeline
+
+    probe = _load("budget_worth_probe")
+    rng = np.random.default_rng(3)
+    delta = {"w": rng.standard_normal(2000).astype(np.float32),
+             "b": rng.standard_normal(20).astype(np.float32)}
+    residual = {"w": rng.standard_normal(2000).astype(np.float32),
+                "b": np.zeros(20, np.float32)}
+    template = Pipeline.parse("topk|ternary:mode=mean")
+    families = {k: TopKFamily(template, v.size, VALUE_CHOICES) for k, v in delta.items()}
+    shares, kept = probe.send_with_feedback(delta, residual, families, {"w": 1.0, "b": 1.0},
+                                            2000.0, rng=np.random.default_rng(0))
+    for name in delta:
+        compensated = delta[name] + residual[name]
+        sent = compensated - kept[name]
+        # Exactly the share of entries sent left the residual (Top-K of the compensated
+        # update), and nothing else did.
+        assert np.count_nonzero(sent) == round(shares[name] * compensated.size)
+        untouched = sent == 0
+        np.testing.assert_array_equal(kept[name][untouched], compensated[untouched])
+    assert 0 < shares["w"] < 0.5  # 2,000 bits cannot carry most of 2,020 entries
+    heavier, _ = probe.send_with_feedback(delta, residual, families, {"w": 1.0, "b": 100.0},
+                                          2000.0, rng=np.random.default_rng(0))
+    assert heavier["b"] >= shares["b"] and heavier["w"] <= shares["w"]
+
+
 def test_worth_probe_coherence_is_one_for_agreeing_updates_and_falls_as_they_cancel():
     probe = _load("budget_worth_probe")
     same = {"a": np.array([1.0, 2.0], np.float32)}
