@@ -15,7 +15,9 @@ epoch allocates the budget under:
   empirical Fisher, the mean squared minibatch gradient at the global model: what a
   unit of change costs or gains in loss there), ``fisher/ms`` (the same over the
   mean square of the fresh delta), ``size^-1/2`` (each tensor's energy over the
-  square root of its number of entries, which favours small tensors), ``output``
+  square root of its number of entries, which favours small tensors), ``share``
+  (each tensor's energy over its fresh delta's: the share of its own update kept,
+  every tensor counted alike), ``output``
   (each tensor's energy times how much its update moves the model's outputs per
   unit of energy: ``|J d|^2 / |d|^2`` on a batch of the client's data, a
   Jacobian-vector product), ``coherence`` (each tensor's energy times the share of
@@ -138,6 +140,7 @@ def measures(delta: dict[str, np.ndarray], fisher: dict[str, float],
             "fisher": {k: fisher[k] for k in delta},
             "fisher/ms": {k: fisher[k] / mean_square[k] for k in delta},
             "size^-1/2": {k: float(v.size) ** -0.5 for k, v in delta.items()},
+            "share": {k: 1.0 / (v.size * mean_square[k]) for k, v in delta.items()},
             **{name: dict(weights) for name, weights in (extra or {}).items()}}
 
 
@@ -223,7 +226,7 @@ def send_with_feedback(delta: dict[str, np.ndarray], residual: dict[str, np.ndar
 
 
 #: The measures the error-feedback probe follows (each with its own residuals).
-FEEDBACK_MEASURES = ("energy", "adaptive", "relative", "fisher", "size^-1/2")
+FEEDBACK_MEASURES = ("energy", "adaptive", "relative", "fisher", "size^-1/2", "share")
 
 
 def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str,

@@ -169,6 +169,7 @@ def test_worth_probe_fisher_is_the_mean_squared_minibatch_gradient():
     assert weights["fisher/ms"]["weight"] == pytest.approx(fisher["weight"] / 0.25)
     assert weights["fisher/ms"]["bias"] == pytest.approx(fisher["bias"])  # all-zero delta
     assert weights["size^-1/2"] == pytest.approx({"weight": 6 ** -0.5, "bias": 2 ** -0.5})
+    assert weights["share"]["weight"] == pytest.approx(1 / 1.5)  # 6 entries of 0.5^2
 
 
 def test_worth_probe_output_gain_is_the_outputs_change_per_unit_of_energy():
