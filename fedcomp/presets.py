@@ -34,6 +34,11 @@ class Preset:
     settings: Mapping[str, Any]
 
 
+#: What the byte-budget presets share: fedcomp-best's server, a budget each way.
+_BUDGET = {"uplink-budget": "400x", "feedback": "ef", "downlink-budget": "40x",
+           "downlink-mode": "per-client", "server-optimizer": "adam", "server-lr": 0.01,
+           "server-tau": 1e-5, "server-average": 0.9}
+
 #: The uplink methods of the literature, as they are benchmarked: the server sends the
 #: whole model down every round (fedcomp's default compresses the downlink too).
 _FULL_DOWNLINK = {"downlink-codec": "none"}
@@ -82,11 +87,14 @@ PRESETS: dict[str, Preset] = {
     "fedcomp-budget": Preset(
         "fedcomp-best's server with one byte budget each way instead of its per-layer "
         "codecs: 400x fewer uplink and 40x fewer downlink bytes than fp32, each "
-        "tensor's Top-K count and value coding chosen every round, for any model",
-        {"codec": "topk", "uplink-budget": "400x", "feedback": "ef",
-         "downlink-codec": "topk", "downlink-budget": "40x", "downlink-mode": "per-client",
-         "server-optimizer": "adam", "server-lr": 0.01, "server-tau": 1e-5,
-         "server-average": 0.9}),
+        "tensor's Top-K count chosen every round by its relative change, for any "
+        "model; uplink values in one sign bit and a scale, downlink values in 4 bits",
+        {**_BUDGET, "codec": "topk|ternary:mode=mean", "downlink-codec": "topk|quant:bits=4",
+         "budget-values": "codec", "budget-worth": "relative"}),
+    "fedcomp-budget-auto": Preset(
+        "fedcomp-budget with each tensor's value coding chosen too (ternary, 2, 4 or "
+        "8 bits) and its kept energy counted as it is",
+        {**_BUDGET, "codec": "topk", "downlink-codec": "topk"}),
 }
 
 #: ``server-optimizer`` spec parameters and the keys they stand for.
