@@ -2,16 +2,18 @@
 """Byte-budget benchmark: how fast the controller encodes, and how well it fits.
 
 For each task's model and budget, a client's budgeted encodes over several rounds
-with error feedback (:func:`fedcomp.codecs.policy.encode_within_budget`, value codings
-``"auto"``): the payload's bytes against the budget, its header's share, how many
-tensors a payload carries, the median encode and decode time, and beside them the
-encode time of one fixed pipeline (Top-1% ternary on every tensor) for scale. The
+with error feedback (:func:`fedcomp.codecs.policy.encode_within_budget`, with each
+tensor's value coding chosen, as ``fedcomp-budget-auto``, and with one sign bit a
+value, as ``fedcomp-budget``'s uplink): the payload's bytes against the budget, its
+header's share, how many tensors a payload carries, the median encode and decode
+time, and beside them the encode time of one fixed pipeline (Top-1% ternary on
+every tensor) for scale. The
 updates are synthetic: Laplace values (heavier-tailed than Gaussian, as training
 deltas are) scaled by 1/sqrt(fan-in) per tensor, a fresh draw every round. They
 exercise the allocation, the fit and the wire format; accuracy is measured by the
 sweeps (experiments/RESULTS.md, "One byte budget").
 
-    python experiments/bench_budget.py [--rounds 8] [--json results/bench_budget.json]
+    python experiments/bench_budget.py [--rounds 8] [--values ternary] [--json FILE]
 
 Times are medians over the rounds after the first (which builds the layout
 dictionary), on one thread. Nothing is asserted: a benchmark reports, tests decide.
@@ -65,13 +67,17 @@ def synthetic_update(shapes: dict[str, tuple[int, ...]], rng: np.random.Generato
     return out
 
 
-def bench(task: str, text: str, rounds: int) -> dict[str, Any]:
+def bench(task: str, text: str, rounds: int, values: str = "auto") -> dict[str, Any]:
+    """One row; ``values``: ``"auto"`` (each tensor's value coding chosen, as
+    ``budget-values = "auto"``) or ``"ternary"`` (one sign bit and a scale, as preset
+    fedcomp-budget's uplink)."""
     shapes = model_shapes(task)
     numel = sum(math.prod(s) for s in shapes.values())
-    policy = CompressionPolicy(FIXED_SPEC, budgeted=True, budget_values=VALUE_CHOICES)
+    policy = CompressionPolicy(FIXED_SPEC, budgeted=True,
+                               budget_values=VALUE_CHOICES if values == "auto" else ())
     fixed = CompressionPolicy(FIXED_SPEC, min_numel=0)
     budget = parse_budget(text).payload_bytes(numel)
-    row: dict[str, Any] = {"task": task, "budget": text, "parameters": numel,
+    row: dict[str, Any] = {"task": task, "budget": text, "values": values, "parameters": numel,
                            "tensors": len(shapes), "budget_bytes": budget}
     smallest = smallest_budget_bytes(policy, shapes)
     if budget < smallest:  # a run refuses it before round 1 (RunConfig.check_budgets)
@@ -112,24 +118,26 @@ def bench(task: str, text: str, rounds: int) -> dict[str, Any]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    titles = ["task", "budget", "budget B", "payload B", "spent", "max", "header B",
+    titles = ["task", "budget", "values", "budget B", "payload B", "spent", "max", "header B",
               "tensors sent", "enc ms", "dec ms", f"enc ms, {FIXED_SPEC} everywhere"]
     measured = [r for r in rows if not r["refused"]]
-    cells = [[r["task"], r["budget"], f"{r['budget_bytes']:,}", f"{r['payload_bytes']:,.0f}",
+    cells = [[r["task"], r["budget"], r["values"], f"{r['budget_bytes']:,}",
+              f"{r['payload_bytes']:,.0f}",
               f"{100 * r['spent']:.1f}%", f"{100 * r['max_spent']:.1f}%",
               f"{r['framing_and_header_bytes']:.0f}",
               f"{r['tensors_sent']:.1f} / {r['tensors']}", f"{1000 * r['encode_s']:.1f}",
               f"{1000 * r['decode_s']:.1f}", f"{1000 * r['fixed_encode_s']:.1f}"]
              for r in measured]
     widths = [max([len(t), *(len(c[i]) for c in cells)]) for i, t in enumerate(titles)]
-    print("  ".join(t.ljust(w) if i < 2 else t.rjust(w)
+    print("  ".join(t.ljust(w) if i < 3 else t.rjust(w)
                     for i, (t, w) in enumerate(zip(titles, widths, strict=True))))
     for row in cells:
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     for r in rows:
         if r["refused"]:  # as a run would refuse it, before round 1
-            print(f"{r['task']} {r['budget']} ({r['budget_bytes']:,} B): refused, below the "
+            print(f"{r['task']} {r['budget']}, {r['values']} values ({r['budget_bytes']:,} B): "
+                  f"refused, below the "
                   f"smallest budget of this model, {r['smallest_budget_bytes']:,} B "
                   f"({r['largest_factor']}x)")
 
@@ -139,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="encodes per row (>= 2)")
     parser.add_argument("--task", action="append", choices=TASKS, help="default: both")
     parser.add_argument("--budget", action="append", help=f"default: {', '.join(BUDGETS)}")
+    parser.add_argument("--values", action="append", choices=("auto", "ternary"),
+                        help="value codings: each tensor's chosen (auto, as "
+                             "fedcomp-budget-auto) or one sign bit (ternary, as "
+                             "fedcomp-budget's uplink); default: both")
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -146,11 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for task in args.task or TASKS:
         for text in args.budget or BUDGETS:
-            print(f"  {task} {text} ...", file=sys.stderr, flush=True)
-            rows.append(bench(task, text, args.rounds))
-            if args.json:  # after every row, so an interrupted run keeps what it measured
-                args.json.parent.mkdir(parents=True, exist_ok=True)
-                args.json.write_text(json.dumps(rows, indent=1))
+            for values in args.values or ("auto", "ternary"):
+                print(f"  {task} {text} {values} ...", file=sys.stderr, flush=True)
+                rows.append(bench(task, text, args.rounds, values))
+                if args.json:  # after every row: an interrupted run keeps what it measured
+                    args.json.parent.mkdir(parents=True, exist_ok=True)
+                    args.json.write_text(json.dumps(rows, indent=1))
     print_table(rows)
     if args.json:
         print(f"wrote {args.json}")
