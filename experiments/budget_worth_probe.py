@@ -73,6 +73,27 @@ HAND_TUNED = {"conv1.weight": 1.0, "conv1.bias": 1.0, "conv2.weight": 0.1, "conv
               "fc1.weight": 0.005, "fc1.bias": 1.0, "fc2.weight": 0.1, "fc2.bias": 1.0}
 
 
+def load_state(model: nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Load numpy ``arrays`` into ``model`` (copies, so the model cannot alias them)."""
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+
+
+def fedavg_round(model: nn.Module, data: Any, rng: np.random.Generator, rnd: int, *,
+                 lr: float, momentum: float) -> None:
+    """One round of plain FedAvg in place: 10 clients drawn from ``rng``, each trained
+    one epoch from ``model``, which then takes their mean."""
+    start = state_arrays(model)
+    mean = {k: np.zeros_like(v) for k, v in start.items()}
+    chosen = rng.choice(len(data), 10, replace=False)
+    for client in chosen:
+        load_state(model, start)
+        train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
+              seed=rnd * 1000 + int(client))
+        for k, v in state_arrays(model).items():
+            mean[k] += (v - start[k]) / len(chosen)
+    load_state(model, {k: start[k] + mean[k] for k in start})
+
+
 def empirical_fisher(model: nn.Module, x: np.ndarray, y: np.ndarray,
                      batch_size: int = 32) -> dict[str, float]:
     """Each parameter tensor's mean squared minibatch gradient at the model as it is."""
@@ -154,19 +175,10 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
     rng = np.random.default_rng(seed)
 
     def load(arrays: dict[str, np.ndarray]) -> None:
-        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+        load_state(model, arrays)
 
     for rnd in range(warmup_rounds):
-        start = state_arrays(model)
-        mean = {k: np.zeros_like(v) for k, v in start.items()}
-        chosen = rng.choice(len(data), 10, replace=False)
-        for client in chosen:
-            load(start)
-            train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
-                  seed=rnd * 1000 + int(client))
-            for k, v in state_arrays(model).items():
-                mean[k] += (v - start[k]) / len(chosen)
-        load({k: start[k] + mean[k] for k in start})
+        fedavg_round(model, data, rng, rnd, lr=lr, momentum=momentum)
         print(f"  warm-up round {rnd + 1}/{warmup_rounds}", file=sys.stderr, flush=True)
     start = state_arrays(model)
     numel = sum(v.size for v in start.values())
@@ -251,22 +263,13 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
     rng = np.random.default_rng(seed)
 
     def load(arrays: dict[str, np.ndarray]) -> None:
-        model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+        load_state(model, arrays)
 
-    def fedavg_round(rnd: int) -> None:
-        start = state_arrays(model)
-        mean = {k: np.zeros_like(v) for k, v in start.items()}
-        chosen = rng.choice(len(data), 10, replace=False)
-        for client in chosen:
-            load(start)
-            train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
-                  seed=rnd * 1000 + int(client))
-            for k, v in state_arrays(model).items():
-                mean[k] += (v - start[k]) / len(chosen)
-        load({k: start[k] + mean[k] for k in start})
+    def fedavg(rnd: int) -> None:
+        fedavg_round(model, data, rng, rnd, lr=lr, momentum=momentum)
 
     for rnd in range(warmup_rounds):
-        fedavg_round(rnd)
+        fedavg(rnd)
         print(f"  warm-up round {rnd + 1}/{warmup_rounds}", file=sys.stderr, flush=True)
     shapes = {k: v.shape for k, v in state_arrays(model).items()}
     numel = sum(math.prod(v) for v in shapes.values())
@@ -297,7 +300,7 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
                         shares.setdefault(measure, {}).setdefault(name, []).append(share)
         load(start)
         for step in range(gap):
-            fedavg_round(warmup_rounds + rnd * gap + step)
+            fedavg(warmup_rounds + rnd * gap + step)
         print(f"  feedback round {rnd + 1}/{rounds}", file=sys.stderr, flush=True)
     return {measure: {name: statistics.mean(v) for name, v in per.items()}
             for measure, per in shares.items()}
