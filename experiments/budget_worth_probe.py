@@ -45,7 +45,6 @@ Nothing is asserted: a probe reports, sweeps decide.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from typing import Any
@@ -92,6 +91,32 @@ def fedavg_round(model: nn.Module, data: Any, rng: np.random.Generator, rnd: int
         for k, v in state_arrays(model).items():
             mean[k] += (v - start[k]) / len(chosen)
     load_state(model, {k: start[k] + mean[k] for k in start})
+
+
+def warmed_up(*, warmup_rounds: int, seed: int, lr: float, momentum: float
+              ) -> tuple[Any, nn.Module, np.random.Generator]:
+    """The headline's clients, its model after ``warmup_rounds`` plain FedAvg rounds,
+    and the generator that sampled them (the probes draw their clients from it)."""
+    data, _ = dirichlet_clients("fashion-mnist", 100, alpha=0.3, seed=seed)
+    model = build_model("fashion-mnist", seed=seed)
+    rng = np.random.default_rng(seed)
+    for rnd in range(warmup_rounds):
+        fedavg_round(model, data, rng, rnd, lr=lr, momentum=momentum)
+        print(f"  warm-up round {rnd + 1}/{warmup_rounds}", file=sys.stderr, flush=True)
+    return data, model, rng
+
+
+def budget_families(model: nn.Module, budget: str, values: str
+                    ) -> tuple[float, dict[str, TopKFamily]]:
+    """The payload bits ``budget`` leaves for values and positions, and each tensor's
+    Top-K family with the value codings ``values`` names (``"auto"``: all of them;
+    ``"ternary"``: the template's one sign bit and a scale)."""
+    start = state_arrays(model)
+    numel = sum(v.size for v in start.values())
+    budget_bits = 8.0 * (parse_budget(budget).payload_bytes(numel) - OVERHEAD_BYTES)
+    template = Pipeline.parse("topk|ternary:mode=mean")
+    choices = VALUE_CHOICES if values == "auto" else ()
+    return budget_bits, {k: TopKFamily(template, v.size, choices) for k, v in start.items()}
 
 
 def empirical_fisher(model: nn.Module, x: np.ndarray, y: np.ndarray,
@@ -170,22 +195,15 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
     """Each measure's mean share of entries sent per tensor; ``values``: the value
     codings the budget chooses from (``"auto"``, as ``budget-values = "auto"``), or
     ``"ternary"`` only (``budget-values = "codec"`` with a ternary codec)."""
-    data, _ = dirichlet_clients("fashion-mnist", 100, alpha=0.3, seed=seed)
-    model = build_model("fashion-mnist", seed=seed)
-    rng = np.random.default_rng(seed)
+    data, model, rng = warmed_up(warmup_rounds=warmup_rounds, seed=seed, lr=lr,
+                                 momentum=momentum)
 
     def load(arrays: dict[str, np.ndarray]) -> None:
         load_state(model, arrays)
 
-    for rnd in range(warmup_rounds):
-        fedavg_round(model, data, rng, rnd, lr=lr, momentum=momentum)
-        print(f"  warm-up round {rnd + 1}/{warmup_rounds}", file=sys.stderr, flush=True)
     start = state_arrays(model)
-    numel = sum(v.size for v in start.values())
-    budget_bits = 8.0 * (parse_budget(budget).payload_bytes(numel) - OVERHEAD_BYTES)
-    template = Pipeline.parse("topk|ternary:mode=mean")
-    choices = VALUE_CHOICES if values == "auto" else ()  # (): the template's ternary
-    models = {k: TopKFamily(template, v.size, choices).models for k, v in start.items()}
+    budget_bits, families = budget_families(model, budget, values)
+    models = {k: family.models for k, family in families.items()}
     probed = []
     for client in rng.choice(len(data), clients, replace=False):
         load(start)
@@ -258,25 +276,14 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
     rounds on average), the same for every measure, so the measures see one
     trajectory.
     """
-    data, _ = dirichlet_clients("fashion-mnist", 100, alpha=0.3, seed=seed)
-    model = build_model("fashion-mnist", seed=seed)
-    rng = np.random.default_rng(seed)
+    data, model, rng = warmed_up(warmup_rounds=warmup_rounds, seed=seed, lr=lr,
+                                 momentum=momentum)
 
     def load(arrays: dict[str, np.ndarray]) -> None:
         load_state(model, arrays)
 
-    def fedavg(rnd: int) -> None:
-        fedavg_round(model, data, rng, rnd, lr=lr, momentum=momentum)
-
-    for rnd in range(warmup_rounds):
-        fedavg(rnd)
-        print(f"  warm-up round {rnd + 1}/{warmup_rounds}", file=sys.stderr, flush=True)
     shapes = {k: v.shape for k, v in state_arrays(model).items()}
-    numel = sum(math.prod(v) for v in shapes.values())
-    budget_bits = 8.0 * (parse_budget(budget).payload_bytes(numel) - OVERHEAD_BYTES)
-    template = Pipeline.parse("topk|ternary:mode=mean")
-    choices = VALUE_CHOICES if values == "auto" else ()
-    families = {k: TopKFamily(template, math.prod(v), choices) for k, v in shapes.items()}
+    budget_bits, families = budget_families(model, budget, values)
     probed = [int(c) for c in rng.choice(len(data), clients, replace=False)]
     residuals = {(m, c): {k: np.zeros(v, np.float32) for k, v in shapes.items()}
                  for m in FEEDBACK_MEASURES for c in probed}
@@ -300,7 +307,8 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
                         shares.setdefault(measure, {}).setdefault(name, []).append(share)
         load(start)
         for step in range(gap):
-            fedavg(warmup_rounds + rnd * gap + step)
+            fedavg_round(model, data, rng, warmup_rounds + rnd * gap + step, lr=lr,
+                         momentum=momentum)
         print(f"  feedback round {rnd + 1}/{rounds}", file=sys.stderr, flush=True)
     return {measure: {name: statistics.mean(v) for name, v in per.items()}
             for measure, per in shares.items()}

@@ -293,33 +293,29 @@ class RunConfig:
                             f"its relative change); it weighs the uplink only; got "
                             f"{self.budget_worth!r}")
         values = VALUE_CHOICES if self.budget_values == "auto" else ()
-        policies = []
+        policies, notices = [], []
         for (codec_key, codec), budget, pairs in zip(
                 (("codec", self.codec), ("downlink-codec", self.downlink_codec)),
                 budgets, overrides, strict=True):
+            side = "uplink" if codec_key == "codec" else "downlink"
             try:
-                policies.append(CompressionPolicy(
+                policy = CompressionPolicy(
                     codec, self.small_codec, self.min_numel, pairs,
                     budgeted=budget is not None,
                     budget_values=values if budget is not None else (),
                     # The downlink's receiver applies what it gets as it is: energy.
-                    budget_worth=self.budget_worth if codec_key == "codec" else "energy"))
+                    budget_worth=self.budget_worth if codec_key == "codec" else "energy")
             except SpecError as exc:
-                side = "uplink" if codec_key == "codec" else "downlink"
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"
                                 ) from None
-        object.__setattr__(self, "_policies", tuple(policies))
-        notices = []
-        for (codec_key, codec), policy in zip(
-                (("codec", self.codec), ("downlink-codec", self.downlink_codec)), policies,
-                strict=True):
+            policies.append(policy)
             if policy.budget_sends_fp32_values:
-                side = "uplink" if codec_key == "codec" else "downlink"
                 notices.append(
                     f"run config {codec_key!r} = {codec!r} has no value stage, so with "
                     f"budget-values = 'codec' the {side} budget sends every kept value in "
                     f"fp32; add one (e.g. '{codec}|quant:bits=4') or set budget-values = "
                     f"'auto'")
+        object.__setattr__(self, "_policies", tuple(policies))
         object.__setattr__(self, "_notices", tuple(notices))
 
     @classmethod
