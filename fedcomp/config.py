@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -319,12 +319,14 @@ class RunConfig:
         object.__setattr__(self, "_notices", tuple(notices))
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], *, explicit: bool = False) -> RunConfig:
+    def from_mapping(cls, values: Mapping[str, Any], *,
+                     explicit: bool | Collection[str] = False) -> RunConfig:
         """Build from a Flower ``run_config`` (kebab-case keys); unknown keys are errors.
 
-        ``explicit``: ``values`` holds only the keys the user set (a sweep file), so
-        each of them wins over a preset even at its default (see
-        :func:`fedcomp.presets.expand`); a Flower ``run_config`` holds every key.
+        ``explicit``: the keys the user set, each of which wins over a preset even at
+        its default (see :func:`fedcomp.presets.expand`): ``True`` when ``values``
+        holds only those (a sweep file), or the keys themselves (a Flower
+        ``run_config`` holds every key; its run's override config names the set ones).
         """
         by_key = {config_key(f.name): f.name for f in dataclasses.fields(cls)
                   if not f.name.startswith("_")}
@@ -464,10 +466,20 @@ class RunConfig:
         return encoder_fingerprint((self.uplink_policy, self.downlink_policy),
                                    {name: tuple(shape) for name, shape in shapes.items()})
 
+    def node_settings(self) -> dict[str, Any]:
+        """The run config a node is sent: every key, with the preset's name left out.
+
+        Its settings are already expanded into the keys (by the server, which knows
+        which keys the user set); a node that expanded it again could not tell a key
+        the user set to its default from one left alone, and would undo it.
+        """
+        return {key: value for key, value in self.to_mapping().items() if key != "preset"}
+
     def settings_digest(self) -> str:
-        """A hash of every setting (outputs included): a train message that carries
-        only this stands for the run config a node received in full before."""
-        blob = json.dumps(self.to_mapping(), sort_keys=True).encode()
+        """A hash of every setting a node is sent (outputs included): a train message
+        that carries only this stands for the run config a node received in full
+        before (:meth:`node_settings`)."""
+        blob = json.dumps(self.node_settings(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def digest(self) -> str:

@@ -2,9 +2,10 @@
 
 ``preset = "stc"`` in a run config (``--run-config``, ``make run RUN_CONFIG=...``, a
 sweep's ``[base]`` or ``[[method]]``, a deployment) stands for the settings listed
-here. Any key set alongside it wins over the preset's, so every setting stays
-overridable. Presets are expanded before the run id is computed, so a sweep written
-with a preset and one written with its keys give the same runs.
+here. Any key set alongside it wins over the preset's, even one set to its default,
+so every setting stays overridable. Presets are expanded before the run id is
+computed, so a sweep written with a preset and one written with its keys give the
+same runs.
 
 Grouped settings read better as one spec string, as codecs do:
 ``server-optimizer = "adam:lr=0.01,tau=1e-5"`` stands for ``server-optimizer = "adam"``,
@@ -16,7 +17,7 @@ Grouped settings read better as one spec string, as codecs do:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,23 +121,25 @@ def _optimizer_spec(spec: str) -> dict[str, Any]:
 
 
 def expand(values: Mapping[str, Any], defaults: Mapping[str, Any], *,
-           explicit: bool = False) -> dict[str, Any]:
+           explicit: bool | Collection[str] = False) -> dict[str, Any]:
     """Run-config ``values`` with ``preset`` and a ``server-optimizer`` spec expanded.
 
-    A preset's setting applies where ``values`` leaves the key out or at its default
-    (Flower hands a ClientApp or ServerApp every key, defaults included, so a key the
-    user set to its default cannot be told from one left alone), so a key set to
-    anything else wins. With ``explicit`` (``values`` holds only the keys the user
-    wrote, as in a sweep file) every key given wins, its default included: a sweep
-    can ablate a preset's setting back to the default. A key given both inside a
-    ``server-optimizer`` spec and on its own (not at its default) is refused as
-    ambiguous.
+    A preset's setting applies where ``values`` leaves the key out, or holds it at its
+    default without the user having set it: Flower hands a ClientApp or ServerApp
+    every key, defaults included, so a key at its default may be one the user never
+    wrote. ``explicit`` names the keys the user did write, which win over the preset
+    even at their default (an ablation of a preset's setting): ``True`` for every key
+    of ``values`` (a sweep file names only the keys it sets), or a collection of keys
+    (what ``flwr run --run-config`` set, which the ServerApp reads from its run). A
+    key given both inside a ``server-optimizer`` spec and on its own (written, or not
+    at its default) is refused as ambiguous.
 
     Raises
     ------
     fedcomp.errors.SpecError
         For an unknown preset (naming the known ones) or a bad optimizer spec.
     """
+    given = set(values) if explicit is True else set(explicit or ())
     out = dict(values)
     name = out.get("preset", "")
     if name:
@@ -144,14 +147,14 @@ def expand(values: Mapping[str, Any], defaults: Mapping[str, Any], *,
             raise SpecError(f"run config 'preset' = {name!r} is not a preset; known: "
                             f"{', '.join(PRESETS)} (`fedcomp presets` lists their keys)")
         for key, value in PRESETS[name].settings.items():
-            if key not in values or (not explicit and values[key] == defaults.get(key)):
+            if key not in values or (key not in given and values[key] == defaults.get(key)):
                 out[key] = value
     optimizer = out.get("server-optimizer")
     if isinstance(optimizer, str) and ":" in optimizer:
         grouped = _optimizer_spec(optimizer)
         for key, value in grouped.items():
-            if key != "server-optimizer" and key in values and values[key] != defaults.get(
-                    key) and values[key] != value:
+            if key != "server-optimizer" and key in values and (
+                    key in given or values[key] != defaults.get(key)) and values[key] != value:
                 raise SpecError(f"run config {key!r} is given twice: {values[key]!r} on its "
                                 f"own and {value!r} in 'server-optimizer'")
         out.update(grouped)

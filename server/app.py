@@ -32,7 +32,22 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    run_server(grid, RunConfig.from_mapping(context.run_config))
+    run_server(grid, RunConfig.from_mapping(context.run_config,
+                                            explicit=keys_set_by_user(grid)))
+
+
+def keys_set_by_user(grid: Grid) -> frozenset[str]:
+    """The run-config keys ``flwr run --run-config`` set (the run's override config).
+
+    Flower hands the ServerApp every key, defaults included; these are the ones the
+    user wrote, so that one set to its default still wins over a preset's setting.
+    Empty where the grid has no run (a test's stand-in): then a key at its default
+    is taken as left alone.
+    """
+    try:
+        return frozenset(grid.run.override_config or ())
+    except (AttributeError, TypeError):  # Flower's grids raise TypeError before set_run
+        return frozenset()
 
 
 def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,

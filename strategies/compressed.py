@@ -147,11 +147,11 @@ class CompressedFedAvg(FedAvg):
         #: The last round's median update norm: the norm bound's yardstick in a round
         #: with too few updates for a median of its own.
         self.norm_reference: float | None = None
-        # The run config every train message carries. Empty strings are left out (the
-        # client's RunConfig defaults them to ""): Flower's ConfigRecord.count_bytes,
-        # which message_size_mod calls, rejects them.
+        # The run config every train message carries, its preset expanded. Empty
+        # strings are left out (the client's RunConfig defaults them to ""): Flower's
+        # ConfigRecord.count_bytes, which message_size_mod calls, rejects them.
         defaults = RunConfig().to_mapping()
-        self._settings = {k: v for k, v in cfg.to_mapping().items()
+        self._settings = {k: v for k, v in cfg.node_settings().items()
                           if not (v == "" and defaults.get(k) == "")}
         #: A node that answered a train message holds the settings: it is sent only
         #: their digest (1.5 kB less per message) until it fails or misses a reply.

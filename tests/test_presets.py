@@ -28,6 +28,50 @@ def test_a_key_set_beside_a_preset_wins_and_defaults_do_not():
     assert again == cfg
 
 
+def test_a_key_the_user_wrote_at_its_default_beside_a_preset_wins():
+    """``flwr run --run-config "preset='fedcomp-budget' budget-worth='energy'"``: the
+    ServerApp gets every key, but the run's override config names the written ones."""
+    from fedcomp.federated.client_round import resolve_settings
+
+    default = RunConfig().budget_worth
+    assert PRESETS["fedcomp-budget"].settings["budget-worth"] != default
+    everything = {**RunConfig().to_mapping(), "preset": "fedcomp-budget"}
+    cfg = RunConfig.from_mapping(everything, explicit={"preset", "budget-worth"})
+    assert cfg.budget_worth == default
+    assert cfg.budget_values == PRESETS["fedcomp-budget"].settings["budget-values"]
+    # Without the override config a key at its default cannot be told from one left
+    # alone: the preset's setting applies.
+    assert RunConfig.from_mapping(everything).budget_worth != default
+    # A node is sent the expanded keys without the preset's name, so it keeps the
+    # user's default, in full and by digest.
+    assert "preset" not in cfg.node_settings()
+    sent = {**cfg.node_settings(), "server-round": 1, "settings-digest": cfg.settings_digest()}
+    first = resolve_settings(sent, kept=None, run_config=everything)
+    assert first.cfg == cfg.replace(preset="")
+    assert first.cfg.settings_digest() == cfg.settings_digest()
+    again = resolve_settings({"server-round": 2, "settings-digest": cfg.settings_digest()},
+                             kept=first.to_keep, run_config=everything)
+    assert again.cfg.budget_worth == default
+
+
+def test_the_server_reads_the_keys_the_user_set_from_its_run():
+    from types import SimpleNamespace
+
+    from server.app import keys_set_by_user
+
+    grid = SimpleNamespace(run=SimpleNamespace(override_config={"preset": "stc",
+                                                                "feedback": "ef"}))
+    assert keys_set_by_user(grid) == {"preset", "feedback"}
+
+    class NoRunYet:  # Flower's grids before set_run
+        @property
+        def run(self):
+            raise TypeError("vars() argument must have __dict__ attribute")
+
+    assert keys_set_by_user(NoRunYet()) == frozenset()
+    assert keys_set_by_user(SimpleNamespace()) == frozenset()
+
+
 def test_a_sweep_can_set_a_presets_key_back_to_its_default():
     """A sweep file names only the keys it sets, so each wins, its default included
     (an ablation of a preset's setting), and what the apps receive keeps it."""

@@ -171,6 +171,16 @@ def test_the_run_config_goes_in_full_until_a_node_has_answered_then_by_digest(ma
     assert ConfigRecord(short).count_bytes() * 10 < ConfigRecord(in_full).count_bytes()
 
 
+def test_nodes_are_sent_the_expanded_run_config_without_its_preset(make_strategy):
+    """The server expands a preset knowing which keys the user wrote; a node that
+    expanded it again would put back a preset setting the user set to its default."""
+    strategy = make_strategy(preset="fedcomp-budget", budget_worth="energy")
+    (message,) = strategy.configure_train(1, None, ConfigRecord(), FakeGrid([11]))
+    sent = train_parts(message.content)[0]
+    assert "preset" not in sent and sent["budget-worth"] == "energy"
+    assert sent["settings-digest"] == strategy.cfg.settings_digest()
+
+
 class MeteredGrid(FakeGrid):
     """Nodes whose warm workers report wire counters with every reply."""
 
