@@ -563,7 +563,9 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
         f"{80 / 22:.1f}"]
     assert not any(line.startswith("| simulated | 4 |") for line in table.splitlines())
     # What the budget chose, as means over the rounds: only the budgeted run has a row.
-    chose = table[table.index("| tensor | simulated | simulated, downlink |"):].splitlines()
+    chose = table[table.index("**simulated**\n\n| tensor | uplink | downlink |"):].splitlines()
+    chose = chose[2:]
+    assert "**deployed**" not in table  # no budget, no table
     # Uplink: conv2 carried by half the payloads in round 1 and all in round 2.
     assert chose[2:6] == ["| `fc1.weight` | 1% in 100% | 5% |",
                           "| `conv2` | 15% in 75% | 30% |",

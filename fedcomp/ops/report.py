@@ -416,29 +416,15 @@ def budget_choice_series(method: MethodResult, direction: str
 
 
 def format_budget_choices(methods: list[MethodResult]) -> str | None:
-    """A markdown table of what byte budgets chose: a row per tensor, a column per
-    budgeted method and direction (``uplink-budget``, and ``downlink-budget`` as
-    "METHOD, downlink"), each cell the share of the tensor's entries sent and, where
-    the runs recorded it, the share of payloads that carried the tensor at all
-    ("0.5% in 40%"); a last row the bits a kept value cost (means over rounds,
-    payloads and seeds, from ``rounds.csv``'s ``*_tensor_density``,
-    ``*_tensor_sent`` and ``*_value_bits``). None when no run had a budget."""
-    columns: list[tuple[str, dict[str, float], dict[str, float], float | None]] = []
-    names: list[str] = []
-    for m in methods:
-        for direction, label in (("uplink", m.method), ("downlink", f"{m.method}, downlink")):
-            rows = [row for run in m.runs for row in run.rounds]
-            shares = _mean_tensor_shares(rows, f"{direction}_tensor_density")
-            carried = _mean_tensor_shares(rows, f"{direction}_tensor_sent")
-            bits = [value for row in rows
-                    if isinstance(value := row.get(f"{direction}_value_bits"), float)
-                    and math.isfinite(value)]
-            if shares:
-                names += [n for n in shares if n not in names]
-                columns.append((label, shares, carried,
-                                statistics.mean(bits) if bits else None))
-    if not columns:
-        return None
+    """Markdown tables of what byte budgets chose: one per budgeted method (its name in
+    bold above it), a row per tensor and a column per budgeted direction (``uplink``
+    for ``uplink-budget``, ``downlink`` for ``downlink-budget``), each cell the share
+    of the tensor's entries sent and, where the runs recorded it, the share of
+    payloads that carried the tensor at all ("0.5% in 40%"); a last row the bits a
+    kept value cost (means over rounds, payloads and seeds, from ``rounds.csv``'s
+    ``*_tensor_density``, ``*_tensor_sent`` and ``*_value_bits``). One table per
+    method keeps the table as narrow as a model has budgeted directions, however
+    many methods a sweep compares. None when no run had a budget."""
 
     def cell(name: str, shares: dict[str, float], carried: dict[str, float]) -> str:
         if name not in shares:
@@ -446,15 +432,34 @@ def format_budget_choices(methods: list[MethodResult]) -> str | None:
         text = f"{100 * shares[name]:.3g}%"
         return text + (f" in {100 * carried[name]:.3g}%" if name in carried else "")
 
-    lines = ["| tensor | " + " | ".join(label for label, _, _, _ in columns) + " |",
-             "|---|" + "---|" * len(columns)]
-    for name in names:
-        lines.append(f"| `{name}` | " + " | ".join(
-            cell(name, shares, carried) for _, shares, carried, _ in columns) + " |")
-    lines.append("| bits a kept value | " + " | ".join(
-        "-" if value_bits is None else f"{value_bits:.2f}" for _, _, _, value_bits in columns)
-        + " |")
-    return "\n".join(lines)
+    tables = []
+    for m in methods:
+        rows = [row for run in m.runs for row in run.rounds]
+        columns: list[tuple[str, dict[str, float], dict[str, float], float | None]] = []
+        names: list[str] = []
+        for direction in ("uplink", "downlink"):
+            shares = _mean_tensor_shares(rows, f"{direction}_tensor_density")
+            carried = _mean_tensor_shares(rows, f"{direction}_tensor_sent")
+            bits = [value for row in rows
+                    if isinstance(value := row.get(f"{direction}_value_bits"), float)
+                    and math.isfinite(value)]
+            if shares:
+                names += [n for n in shares if n not in names]
+                columns.append((direction, shares, carried,
+                                statistics.mean(bits) if bits else None))
+        if not columns:
+            continue
+        lines = [f"**{m.method}**", "",
+                 "| tensor | " + " | ".join(label for label, _, _, _ in columns) + " |",
+                 "|---|" + "---|" * len(columns)]
+        for name in names:
+            lines.append(f"| `{name}` | " + " | ".join(
+                cell(name, shares, carried) for _, shares, carried, _ in columns) + " |")
+        lines.append("| bits a kept value | " + " | ".join(
+            "-" if value_bits is None else f"{value_bits:.2f}"
+            for _, _, _, value_bits in columns) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables) if tables else None
 
 
 def format_accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
