@@ -137,9 +137,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if r["refused"]:  # as a run would refuse it, before round 1
             print(f"{r['task']} {r['budget']}, {r['values']} values ({r['budget_bytes']:,} B): "
-                  f"refused, below the "
-                  f"smallest budget of this model, {r['smallest_budget_bytes']:,} B "
-                  f"({r['largest_factor']}x)")
+                  f"refused, below the smallest budget of this model, "
+                  f"{r['smallest_budget_bytes']:,} B ({r['largest_factor']}x)")
 
 
 def main(argv: list[str] | None = None) -> int:

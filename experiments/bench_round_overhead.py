@@ -37,7 +37,7 @@ from fedcomp.federated.downlink import Broadcaster
 from fedcomp.federated.server_opt import ServerOptimizer
 from fedcomp.tasks.data import load_dataset, load_partition
 from fedcomp.tasks.models import build_model
-from fedcomp.tasks.training import evaluate, state_arrays
+from fedcomp.tasks.training import evaluate, load_arrays, state_arrays
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         server.publish(optimizer.step(server.model, aggregated.mean_delta))
         totals["downlink encode"] += time.perf_counter() - start
         totals["round wall"] += time.perf_counter() - round_start
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in server.model.items()})
+    load_arrays(model, server.model)
     accuracy, _ = evaluate(model, test.x, test.y)
 
     wall = totals["round wall"]

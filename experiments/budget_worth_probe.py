@@ -64,17 +64,12 @@ from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.wire import OVERHEAD_BYTES
 from fedcomp.tasks.data import dirichlet_clients
 from fedcomp.tasks.models import build_model
-from fedcomp.tasks.training import state_arrays, train
+from fedcomp.tasks.training import load_arrays, state_arrays, train
 
 #: What fedcomp-best sends of each tensor up (Top-10% of conv2 and fc2, Top-0.5% of
 #: fc1, every entry of the small tensors in 8 bits).
 HAND_TUNED = {"conv1.weight": 1.0, "conv1.bias": 1.0, "conv2.weight": 0.1, "conv2.bias": 1.0,
               "fc1.weight": 0.005, "fc1.bias": 1.0, "fc2.weight": 0.1, "fc2.bias": 1.0}
-
-
-def load_state(model: nn.Module, arrays: dict[str, np.ndarray]) -> None:
-    """Load numpy ``arrays`` into ``model`` (copies, so the model cannot alias them)."""
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
 
 
 def fedavg_round(model: nn.Module, data: Any, rng: np.random.Generator, rnd: int, *,
@@ -85,12 +80,12 @@ def fedavg_round(model: nn.Module, data: Any, rng: np.random.Generator, rnd: int
     mean = {k: np.zeros_like(v) for k, v in start.items()}
     chosen = rng.choice(len(data), 10, replace=False)
     for client in chosen:
-        load_state(model, start)
+        load_arrays(model, start)
         train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
               seed=rnd * 1000 + int(client))
         for k, v in state_arrays(model).items():
             mean[k] += (v - start[k]) / len(chosen)
-    load_state(model, {k: start[k] + mean[k] for k in start})
+    load_arrays(model, {k: start[k] + mean[k] for k in start})
 
 
 def warmed_up(*, warmup_rounds: int, seed: int, lr: float, momentum: float
@@ -198,25 +193,22 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
     data, model, rng = warmed_up(warmup_rounds=warmup_rounds, seed=seed, lr=lr,
                                  momentum=momentum)
 
-    def load(arrays: dict[str, np.ndarray]) -> None:
-        load_state(model, arrays)
-
     start = state_arrays(model)
     budget_bits, families = budget_families(model, budget, values)
     models = {k: family.models for k, family in families.items()}
     probed = []
     for client in rng.choice(len(data), clients, replace=False):
-        load(start)
+        load_arrays(model, start)
         fisher = empirical_fisher(model, data[client].x, data[client].y)
         train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
               seed=int(client))
         delta = {k: v - start[k] for k, v in state_arrays(model).items()}
-        load(start)
+        load_arrays(model, start)
         gains = output_gain(model, start, delta, data[client].x[:128])
         halves = []
         size = len(data[client].y)
         for part in (slice(0, size // 2), slice(size // 2, size)):
-            load(start)
+            load_arrays(model, start)
             train(model, data[client].x[part], data[client].y[part], lr=lr,
                   momentum=momentum, seed=int(client))
             halves.append({k: v - start[k] for k, v in state_arrays(model).items()})
@@ -279,9 +271,6 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
     data, model, rng = warmed_up(warmup_rounds=warmup_rounds, seed=seed, lr=lr,
                                  momentum=momentum)
 
-    def load(arrays: dict[str, np.ndarray]) -> None:
-        load_state(model, arrays)
-
     shapes = {k: v.shape for k, v in state_arrays(model).items()}
     budget_bits, families = budget_families(model, budget, values)
     probed = [int(c) for c in rng.choice(len(data), clients, replace=False)]
@@ -292,7 +281,7 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
     for rnd in range(rounds):
         start = state_arrays(model)
         for client in probed:
-            load(start)
+            load_arrays(model, start)
             fisher = empirical_fisher(model, data[client].x, data[client].y)
             train(model, data[client].x, data[client].y, lr=lr, momentum=momentum,
                   seed=(warmup_rounds + rnd * gap) * 1000 + client)
@@ -305,7 +294,7 @@ def feedback_probe(*, warmup_rounds: int, clients: int, rounds: int, budget: str
                 for name, share in sent.items():
                     if rnd >= rounds // 2:
                         shares.setdefault(measure, {}).setdefault(name, []).append(share)
-        load(start)
+        load_arrays(model, start)
         for step in range(gap):
             fedavg_round(model, data, rng, warmup_rounds + rnd * gap + step, lr=lr,
                          momentum=momentum)

@@ -22,7 +22,7 @@ from fedcomp.federated.checkpoint import load_checkpoint, save_checkpoint, save_
 from fedcomp.flower.grid import PromptGrid
 from fedcomp.ops.results import RunRecorder
 from fedcomp.tasks import Task, check_task
-from fedcomp.tasks.training import state_arrays
+from fedcomp.tasks.training import load_arrays, state_arrays
 from strategies.compressed import CompressedFedAvg
 
 log = logging.getLogger(__name__)
@@ -161,7 +161,7 @@ def _save_models(cfg: RunConfig, out_dir: Path, server_round: int,
 def _evaluate(task: Task, model: torch.nn.Module, arrays: dict[str, Any], test: Any
               ) -> tuple[float, float]:
     """Test accuracy and loss of ``arrays`` (loaded into ``model``)."""
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
+    load_arrays(model, arrays)
     with torch.inference_mode():
         return task.evaluate(model, test.x, test.y)
 

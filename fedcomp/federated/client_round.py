@@ -38,7 +38,7 @@ from fedcomp.privacy.release import released_client_metrics
 from fedcomp.tasks import get_task
 from fedcomp.tasks.data import ArrayDataset
 from fedcomp.tasks.models import build_model, model_shapes
-from fedcomp.tasks.training import state_arrays
+from fedcomp.tasks.training import load_arrays, state_arrays
 
 __all__ = ["ClientResult", "ClientState", "RoundSettings", "SettingsUnknown", "encode_delta",
            "load_state_file", "model_shapes", "resolve_settings", "run_client_round",
@@ -416,7 +416,7 @@ def _sync_replica(cfg: RunConfig, state: ClientState, message: DownlinkMessage,
     state.replica.apply(message, shapes, cfg.downlink_policy, initial)
     sync_s = time.perf_counter() - start
     assert state.replica.model is not None
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.replica.model.items()})
+    load_arrays(model, state.replica.model)
     return model, sync_s
 
 

@@ -426,8 +426,9 @@ def flower_runner(app: Path, *, connection: str = "local", cpus_per_client: int 
     def run(config, num_supernodes: int) -> dict:
         results_dir = Path(config.results_dir).resolve()
         # The preset is already expanded into the config's keys, some perhaps set back
-        # to their defaults by the sweep: expanding it again in the apps, which cannot
-        # tell a default from a key left alone, would undo that.
+        # to their defaults by the sweep: the apps get those keys without the preset's
+        # name, as nodes get their settings (RunConfig.node_settings), so nothing can
+        # expand it again and undo that.
         config = config.replace(results_dir=str(results_dir), preset="")
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "run-config.toml"

@@ -6,13 +6,19 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["evaluate", "flat_delta", "state_arrays", "train"]
+__all__ = ["evaluate", "flat_delta", "load_arrays", "state_arrays", "train"]
 
 
 def state_arrays(model: nn.Module) -> dict[str, np.ndarray]:
     """Copies of the model's parameters and buffers as float32 numpy arrays."""
     return {k: v.detach().cpu().numpy().astype(np.float32, copy=True)
             for k, v in model.state_dict().items()}
+
+
+def load_arrays(model: nn.Module, arrays: dict[str, np.ndarray]) -> None:
+    """Load numpy ``arrays`` (as :func:`state_arrays` gives them) into ``model``; the
+    model gets copies, so it cannot alias or change them."""
+    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in arrays.items()})
 
 
 def flat_delta(after: dict[str, np.ndarray], before: dict[str, np.ndarray]) -> np.ndarray:
@@ -92,6 +98,6 @@ def train_from(model: nn.Module, start: dict[str, np.ndarray], x: np.ndarray, y:
 
     One client's local round as the in-process experiments play it.
     """
-    model.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in start.items()})
+    load_arrays(model, start)
     train(model, x, y, epochs=epochs, lr=lr, momentum=momentum, seed=seed)
     return state_arrays(model)
