@@ -68,7 +68,12 @@ from fedcomp.flower import (
     reply_parts,
     train_content,
 )
-from fedcomp.ops.results import RoundRecord, record_densities, record_downlink_densities
+from fedcomp.ops.results import (
+    RoundRecord,
+    record_densities,
+    record_downlink_densities,
+    record_feedback_ratio,
+)
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
 
@@ -404,6 +409,8 @@ class CompressedFedAvg(FedAvg):
         stats.record.uplink_bytes = result.received_bytes
         stats.record.decode_s = result.decode_s
         record_densities(result.kept, self.expected, stats.record, stats.client_metrics)
+        if self.cfg.feedback != "none":
+            record_feedback_ratio(stats.record, stats.client_metrics)
         stats.record.clients_ok = len(result.accepted)
         for reason, count in result.rejected_by_reason.items():
             stats.reject(reason, count)

@@ -280,3 +280,35 @@ def test_budgeted_replies_are_decoded_and_their_choices_recorded(make_strategy):
     assert strategy.broadcaster.take_kept() == []  # taken by the round's record
     with pytest.raises(SpecError, match="smallest payload"):
         make_strategy(uplink_budget="20B")
+
+
+def test_the_round_records_how_far_error_feedback_lags(make_strategy):
+    """``feedback_ratio``: the median over the replies of each client's residual over
+    its fresh update; a reply without the norms (or with no fresh update) does not
+    count, and without error feedback the column stays NaN."""
+    import math
+
+    from fedcomp.flower import set_reply_metric
+
+    def replies(strategy, norms):
+        messages = list(strategy.configure_train(1, None, ConfigRecord(),
+                                                 FakeGrid([11, 12, 13, 14])))
+        out = []
+        for message, extra in zip(messages, norms, strict=True):
+            reply = _reply(message, strategy, 1, message.metadata.dst_node_id)
+            for key, value in extra.items():
+                set_reply_metric(reply.content, key, value)
+            out.append(reply)
+        return out
+
+    norms = [{"residual-norm-in": 3.0, "delta-norm": 1.0},     # 3
+             {"residual-norm-in": 10.0, "delta-norm": 2.0},    # 5
+             {"residual-norm-in": 100.0, "delta-norm": 1.0},   # 100
+             {"residual-norm-in": 5.0, "delta-norm": 0.0}]     # no fresh update: left out
+    strategy = make_strategy(feedback="ef")
+    strategy.aggregate_train(1, replies(strategy, norms))
+    assert strategy.stats[1].record.clients_ok == 4
+    assert strategy.stats[1].record.feedback_ratio == 5.0  # the median, not the mean (36)
+    plain = make_strategy(feedback="none")
+    plain.aggregate_train(1, replies(plain, norms))
+    assert math.isnan(plain.stats[1].record.feedback_ratio)

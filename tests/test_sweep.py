@@ -15,6 +15,7 @@ from fedcomp.ops.report import (
     build_report,
     bytes_to_target,
     current_encoder,
+    feedback_series,
     load_runs,
     write_report,
 )
@@ -573,3 +574,30 @@ def test_the_report_reads_loose_runs_and_puts_wire_factors_beside_payload_factor
                           "| bits a kept value | 3.00 | 4.00 |"]
     with pytest.raises(ValueError, match="no sweep"):
         load_runs(tmp_path / "not-a-run")
+
+
+def test_the_report_shows_how_far_error_feedback_lags_by_quarter(tmp_path):
+    """``feedback_ratio`` in the report: a table of each error-feedback run's mean per
+    quarter of its rounds, and a plot; a run without the column (no error feedback,
+    or recorded before it existed) has no row."""
+    ratios = {"lagging": [1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0],
+              "settled": [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
+              "no-feedback": [float("nan")] * 8}
+    for name, values in ratios.items():
+        recorder = RunRecorder(tmp_path / name, {"codec": "sign"}, model_bytes=40_000,
+                               num_rounds=8, verbose=False)
+        for round_, value in enumerate(values, start=1):
+            recorder.record(RoundRecord(round_, accuracy=0.5, uplink_bytes=1_000,
+                                        downlink_bytes=4_000, clients_ok=2,
+                                        clients_sampled=2, feedback_ratio=value))
+        recorder.finish()
+    table, paths = write_report(tmp_path, target=0.4)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in table[table.index("Error feedback"):].splitlines()
+            if line.startswith("| ") and not line.startswith("| method")}
+    # Rounds 1-2, 3-4, 5-6, 7-8; one seed each.
+    assert rows == {"lagging": ["1", "1.50", "5.00", "9.00", "13.00"],
+                    "settled": ["1", "1.50", "2.00", "2.00", "2.00"]}
+    assert (tmp_path / "feedback_ratio.png") in paths
+    methods = build_report(load_runs(tmp_path), 0.4)[1]
+    assert feedback_series(next(m for m in methods if m.method == "no-feedback")) == ([], [])

@@ -8,6 +8,8 @@ groups runs into *methods* (all grid values but the seed), and writes:
 * ``accuracy_vs_round.png``;
 * ``budget_choices.png`` where runs had a byte budget: each tensor's share of
   entries sent, round by round, per budgeted method and direction;
+* ``feedback_ratio.png`` where runs had error feedback: the residual a client
+  carries into a round over its fresh update, round by round (and a table of it);
 * ``report.md`` and a printed table: for a target accuracy (by default the best
   accuracy of the plain FedAvg runs minus one point), the cumulative uplink and
   total bytes at the first round each method reaches it, and the factor against
@@ -52,12 +54,15 @@ __all__ = [
     "current_encoder",
     "encoder_note",
     "encoder_of",
+    "feedback_series",
     "format_accuracy_at_rounds",
+    "format_feedback",
     "format_paired_table",
     "format_whole_runs",
     "format_wire",
     "is_plain_fedavg",
     "load_runs",
+    "plot_feedback",
     "plot_runs",
     "reference_method",
     "write_report",
@@ -462,6 +467,69 @@ def format_budget_choices(methods: list[MethodResult]) -> str | None:
     return "\n\n".join(tables) if tables else None
 
 
+def feedback_series(method: MethodResult) -> tuple[list[int], list[float]]:
+    """``rounds.csv``'s ``feedback_ratio`` round by round, mean over the seeds that
+    recorded it, as ``(rounds, ratios)``; empty for runs without error feedback and
+    for runs recorded before the column existed."""
+    by_round: dict[int, list[float]] = {}
+    for run in method.runs:
+        for row in run.rounds:
+            value = row.get("feedback_ratio")
+            if isinstance(value, float) and math.isfinite(value):
+                by_round.setdefault(int(row["round"]), []).append(value)
+    rounds = sorted(by_round)
+    return rounds, [statistics.mean(by_round[r]) for r in rounds]
+
+
+def format_feedback(methods: list[MethodResult]) -> str | None:
+    """A markdown table of each error-feedback method's ``feedback_ratio`` (a client's
+    residual over its fresh update, see :class:`fedcomp.ops.results.RoundRecord`),
+    mean over each quarter of its rounds and over seeds: a ratio that settles, or one
+    that keeps growing because the uplink carries less than the clients learn. None
+    when no run recorded it."""
+    lines = []
+    for m in methods:
+        rounds, ratios = feedback_series(m)
+        if not rounds:
+            continue
+        last = rounds[-1]
+        quarters = [[v for r, v in zip(rounds, ratios, strict=True)
+                     if q * last / 4 < r <= (q + 1) * last / 4] for q in range(4)]
+        lines.append(f"| {m.method} | {len(m.runs)} | " + " | ".join(
+            f"{statistics.mean(q):.2f}" if q else "-" for q in quarters) + " |")
+    if not lines:
+        return None
+    return "\n".join(["| method | seeds | rounds, 1st quarter | 2nd | 3rd | 4th |",
+                      "|---|---|---|---|---|---|", *lines])
+
+
+def plot_feedback(methods: list[MethodResult], out_dir: Path) -> Path | None:
+    """Write ``feedback_ratio.png``: each error-feedback method's residual over fresh
+    update against the round (mean over seeds). None when no run recorded it."""
+    series = [(index, m, feedback_series(m)) for index, m in enumerate(methods)]
+    series = [(index, m, s) for index, m, s in series if s[0]]
+    if not series:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    for index, m, (rounds, ratios) in series:
+        ax.plot(rounds, ratios, label=m.method, lw=1.5, **_line_style(index))
+    ax.set_xlabel("round")
+    ax.set_ylabel("error-feedback residual / fresh update")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.14),
+              ncol=1 if len(series) > 6 else 2, frameon=False)
+    path = out_dir / "feedback_ratio.png"
+    fig.savefig(path, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def format_accuracy_at_rounds(methods: list[MethodResult], rounds: Sequence[int]) -> str:
     """A markdown table of each method's accuracy at the given rounds, mean over seeds.
 
@@ -712,6 +780,12 @@ def write_report(out_dir: str | Path, target: float | None = None,
                       "sent, \"in\" the share of payloads that carried the tensor at all, "
                       "and the bits a kept value cost (means over rounds, clients and "
                       "seeds).\n\n" + choices)
+    if (feedback := format_feedback(methods)) is not None:
+        tables.append("Error feedback: the residual a client carries into a round over "
+                      "its fresh update (median over the round's clients; means over "
+                      "each quarter of the rounds and over seeds). A ratio that keeps "
+                      "growing means the uplink carries less than the clients learn.\n\n"
+                      + feedback)
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))
@@ -721,6 +795,8 @@ def write_report(out_dir: str | Path, target: float | None = None,
     paths = plot_runs(selected, out, target)
     if (choices_plot := plot_budget_choices(selected, out)) is not None:
         paths.append(choices_plot)
+    if (feedback_plot := plot_feedback(selected, out)) is not None:
+        paths.append(feedback_plot)
     (out / "report.md").write_text(table + "\n\n" + "\n".join(
         f"![{p.stem}]({p.name})" for p in paths) + "\n")
     return table, paths

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -39,6 +40,7 @@ __all__ = [
     "format_wire_line",
     "record_densities",
     "record_downlink_densities",
+    "record_feedback_ratio",
 ]
 
 ROUND_COLUMNS = [
@@ -48,7 +50,7 @@ ROUND_COLUMNS = [
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
     "protocol_down_bytes", "uplink_density", "uplink_tensor_density", "uplink_value_bits",
     "downlink_density", "downlink_tensor_density", "downlink_value_bits",
-    "uplink_tensor_sent", "downlink_tensor_sent",
+    "uplink_tensor_sent", "downlink_tensor_sent", "feedback_ratio",
 ]
 
 #: The columns of ``rounds.csv`` that hold text, not numbers.
@@ -119,6 +121,14 @@ class RoundRecord:
     #: ``*_tensor_density``.
     uplink_tensor_sent: str = ""
     downlink_tensor_sent: str = ""
+    #: With error feedback: how far the uplink lags behind what the clients learn.
+    #: Each client's residual carried into the round (after any update given back)
+    #: over the norm of its fresh update, the median over the replies read; NaN
+    #: without error feedback or where clients do not report the two norms (under
+    #: differential privacy). A ratio that settles means the codec sends, over a few
+    #: rounds, what the clients learn; one that keeps growing means it sends less, and
+    #: the residual holds ever older updates.
+    feedback_ratio: float = math.nan
 
 
 def machine_facts() -> dict[str, Any]:
@@ -188,6 +198,18 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
     payloads = list(kept.values())
     record.uplink_tensor_density = _tensor_density(payloads, numel)
     record.uplink_tensor_sent = _tensor_sent(payloads, numel)
+
+
+def record_feedback_ratio(record: RoundRecord,
+                          client_metrics: Mapping[int, Mapping[str, float]]) -> None:
+    """The round's ``feedback_ratio``: the median over the clients that report both
+    norms (``residual-norm-in``, ``delta-norm`` > 0) of the first over the second.
+    The median, since one client that barely trained (a tiny fresh update) would
+    swing a mean. Unchanged (NaN) when no client reports them."""
+    ratios = [m["residual-norm-in"] / m["delta-norm"] for m in client_metrics.values()
+              if "residual-norm-in" in m and m.get("delta-norm", 0.0) > 0]
+    if ratios:
+        record.feedback_ratio = float(statistics.median(ratios))
 
 
 def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
