@@ -69,6 +69,18 @@ def test_an_averaged_run_keeps_the_raw_models_accuracy_beside_it(tmp_path, capsy
     assert "[round   2/3] not evaluated | up" in out
 
 
+def test_the_progress_line_shows_the_feedback_ratio_where_there_is_one(tmp_path, capsys):
+    recorder = RunRecorder(tmp_path / "run", {}, model_bytes=1000, num_rounds=2)
+    recorder.record(RoundRecord(1, clients_ok=1, feedback_ratio=15.72))
+    recorder.record(RoundRecord(2, clients_ok=1))  # no error feedback
+    recorder.finish()
+    first, second = capsys.readouterr().out.splitlines()[:2]
+    assert "down 0.0 kB | EF residual/update 15.7 | ok 1 " in first
+    assert "EF residual" not in second and "down 0.0 kB | ok 1 " in second
+    with open(tmp_path / "run" / "rounds.csv") as handle:
+        assert [r["feedback_ratio"] for r in csv.DictReader(handle)] == ["15.72", "nan"]
+
+
 def test_clients_csv_has_a_row_per_reply_and_survives_a_resume(tmp_path):
     from fedcomp.ops.results import CLIENT_COLUMNS
 

@@ -445,7 +445,10 @@ class RunRecorder:
             print(
                 f"[round {row.round:>3}/{self.num_rounds}] {evaluated} | "
                 f"up {row.uplink_bytes / 1e3:,.1f} kB (x{factor:,.0f} "
-                f"vs fp32) down {row.downlink_bytes / 1e3:,.1f} kB | ok {row.clients_ok} "
+                f"vs fp32) down {row.downlink_bytes / 1e3:,.1f} kB"
+                + (f" | EF residual/update {row.feedback_ratio:.1f}"
+                   if math.isfinite(row.feedback_ratio) else "")
+                + f" | ok {row.clients_ok} "
                 f"failed {row.clients_failed} rejected {row.rejected} late {row.timed_out} | "
                 f"{time.perf_counter() - self.started:.1f} s",
                 flush=True,
