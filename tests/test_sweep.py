@@ -600,5 +600,10 @@ def test_the_report_shows_how_far_error_feedback_lags_by_quarter(tmp_path):
     assert rows == {"lagging": ["1", "1.50", "5.00", "9.00", "13.00"],
                     "settled": ["1", "1.50", "2.00", "2.00", "2.00"]}
     assert (tmp_path / "feedback_ratio.png") in paths
+    # With no plain FedAvg run, the whole-run factors are against the fp32 model in
+    # the same rounds: 2 x 40 kB up over 1 kB sent, and 80 + 80 kB over 5 kB in all.
+    assert "against the fp32 model sent both ways in the same rounds" in table
+    whole = [line for line in table.splitlines() if line.startswith("| settled | 1 | 8 |")]
+    assert [c.strip() for c in whole[0].split("|")[-3:-1]] == ["80", "32.0"]
     methods = build_report(load_runs(tmp_path), 0.4)[1]
     assert feedback_series(next(m for m in methods if m.method == "no-feedback")) == ([], [])

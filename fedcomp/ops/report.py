@@ -312,6 +312,20 @@ def format_paired_table(target: float, methods: list[MethodResult],
     return "\n".join(lines)
 
 
+def _fp32_factors(method: MethodResult) -> tuple[float | None, float | None]:
+    """Uplink and total factors of a method's runs against sending the fp32 model in
+    the same rounds (``summary.json``'s ``uplink_compression`` and
+    ``total_compression``: the model's size times the replies accepted, up, and the
+    nodes sampled, down, over the bytes sent), mean over seeds; None where a run has
+    no such factor."""
+    factors = [(r.summary.get("uplink_compression"), r.summary.get("total_compression"))
+               for r in method.runs]
+    if any(up is None or total is None for up, total in factors):
+        return None, None
+    return (statistics.mean(up for up, _ in factors),
+            statistics.mean(total for _, total in factors))
+
+
 def format_whole_runs(methods: list[MethodResult], reference_name: str | None = None) -> str:
     """A markdown table of whole runs: accuracy and bytes per round against plain FedAvg.
 
@@ -338,11 +352,16 @@ def format_whole_runs(methods: list[MethodResult], reference_name: str | None = 
         final = statistics.mean(math.nan if r.summary["final_accuracy"] is None
                                 else r.summary["final_accuracy"] for r in m.runs)
         rounds = statistics.mean(len(r.rounds) for r in m.runs)
+        if reference is not None:
+            up_x = ref_up / up if ref_up and up else None
+            total_x = ref_total / total if ref_total and total else None
+        else:  # no FedAvg run to divide by: the fp32 model's bytes in the same rounds
+            up_x, total_x = _fp32_factors(m)
         lines.append(
             f"| {m.method} | {len(m.runs)} | {rounds:.0f} | {final:.4f} | "
             f"{statistics.mean(m.best_accuracy):.4f} | {up / 1e3:,.1f} | {total / 1e3:,.1f} | "
-            f"{'-' if not ref_up or not up else f'{ref_up / up:,.0f}'} | "
-            f"{'-' if not ref_total or not total else f'{ref_total / total:,.1f}'} |")
+            f"{'-' if up_x is None else f'{up_x:,.0f}'} | "
+            f"{'-' if total_x is None else f'{total_x:,.1f}'} |")
     return "\n".join(lines)
 
 
@@ -770,7 +789,9 @@ def write_report(out_dir: str | Path, target: float | None = None,
         tables.append(format_table(this_target, these_methods, reference))
         if paired:
             tables.append(format_paired_table(this_target, these_methods, reference))
-    tables.append("Whole runs: accuracy, and bytes per round against plain FedAvg.\n\n"
+    against = ("plain FedAvg" if reference_method(methods, reference) is not None else
+               "the fp32 model sent both ways in the same rounds (no plain FedAvg run here)")
+    tables.append(f"Whole runs: accuracy, and bytes per round against {against}.\n\n"
                   + format_whole_runs(methods, reference))
     if (wire := format_wire(methods)) is not None:
         tables.append("On the wire (deployed runs): kB per node and round, and factors "
