@@ -284,8 +284,9 @@ def test_budgeted_replies_are_decoded_and_their_choices_recorded(make_strategy):
 
 def test_the_round_records_how_far_error_feedback_lags(make_strategy):
     """``feedback_ratio``: the median over the replies of each client's residual over
-    its fresh update; a reply without the norms (or with no fresh update) does not
-    count, and without error feedback the column stays NaN."""
+    its fresh update, and ``feedback_residual`` the median residual; a reply without
+    the norms (or with no fresh update) does not count, and without error feedback
+    both stay NaN."""
     import math
 
     from fedcomp.flower import set_reply_metric
@@ -309,6 +310,8 @@ def test_the_round_records_how_far_error_feedback_lags(make_strategy):
     strategy.aggregate_train(1, replies(strategy, norms))
     assert strategy.stats[1].record.clients_ok == 4
     assert strategy.stats[1].record.feedback_ratio == 5.0  # the median, not the mean (36)
+    assert strategy.stats[1].record.feedback_residual == 10.0  # of the same three
     plain = make_strategy(feedback="none")
     plain.aggregate_train(1, replies(plain, norms))
     assert math.isnan(plain.stats[1].record.feedback_ratio)
+    assert math.isnan(plain.stats[1].record.feedback_residual)

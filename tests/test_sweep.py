@@ -581,24 +581,33 @@ def test_the_report_shows_how_far_error_feedback_lags_by_quarter(tmp_path):
     """``feedback_ratio`` in the report: a table of each error-feedback run's mean per
     quarter of its rounds, and a plot; a run without the column (no error feedback,
     or recorded before it existed) has no row."""
-    ratios = {"lagging": [1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0],
-              "settled": [1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0],
-              "no-feedback": [float("nan")] * 8}
-    for name, values in ratios.items():
+    nan = float("nan")
+    growing = [1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    # (ratio, residual) by round: the lagging run's residual grows with the ratio; the
+    # converging run's ratio grows as much while its residual stays put (its updates
+    # shrink); the settled run's both stay.
+    runs = {"lagging": (growing, [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]),
+            "converging": (growing, [0.0] + [4.0] * 7),
+            "settled": ([1.0] + [2.0] * 7, [0.0] + [2.0] * 7),
+            "no-feedback": ([nan] * 8, [nan] * 8)}
+    for name, (ratios, residuals) in runs.items():
         recorder = RunRecorder(tmp_path / name, {"codec": "sign"}, model_bytes=40_000,
                                num_rounds=8, verbose=False)
-        for round_, value in enumerate(values, start=1):
+        for round_, (ratio, residual) in enumerate(zip(ratios, residuals, strict=True), start=1):
             recorder.record(RoundRecord(round_, accuracy=0.5, uplink_bytes=1_000,
                                         downlink_bytes=4_000, clients_ok=2,
-                                        clients_sampled=2, feedback_ratio=value))
+                                        clients_sampled=2, feedback_ratio=ratio,
+                                        feedback_residual=residual))
         recorder.finish()
     table, paths = write_report(tmp_path, target=0.4)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in table[table.index("Error feedback"):].splitlines()
             if line.startswith("| ") and not line.startswith("| method")}
-    # Rounds 1-2, 3-4, 5-6, 7-8; one seed each.
-    assert rows == {"lagging": ["1", "1.50", "5.00", "9.00", "13.00"],
-                    "settled": ["1", "1.50", "2.00", "2.00", "2.00"]}
+    # Rounds 1-2, 3-4, 5-6, 7-8; one seed each; the residual's growth is the mean of
+    # rounds 7-8 over that of rounds 3-4.
+    assert rows == {"lagging": ["1", "1.50", "5.00", "9.00", "13.00", "2.60"],
+                    "converging": ["1", "1.50", "5.00", "9.00", "13.00", "1.00"],
+                    "settled": ["1", "1.50", "2.00", "2.00", "2.00", "1.00"]}
     assert (tmp_path / "feedback_ratio.png") in paths
     # With no plain FedAvg run, the whole-run factors are against the fp32 model in
     # the same rounds: 2 x 40 kB up over 1 kB sent, and 80 + 80 kB over 5 kB in all.

@@ -486,40 +486,57 @@ def format_budget_choices(methods: list[MethodResult]) -> str | None:
     return "\n\n".join(tables) if tables else None
 
 
-def feedback_series(method: MethodResult) -> tuple[list[int], list[float]]:
-    """``rounds.csv``'s ``feedback_ratio`` round by round, mean over the seeds that
-    recorded it, as ``(rounds, ratios)``; empty for runs without error feedback and
-    for runs recorded before the column existed."""
+def feedback_series(method: MethodResult, column: str = "feedback_ratio"
+                    ) -> tuple[list[int], list[float]]:
+    """``rounds.csv``'s ``column`` (``feedback_ratio`` or ``feedback_residual``) round by
+    round, mean over the seeds that recorded it, as ``(rounds, values)``; empty for
+    runs without error feedback and for runs recorded before the column existed."""
     by_round: dict[int, list[float]] = {}
     for run in method.runs:
         for row in run.rounds:
-            value = row.get("feedback_ratio")
+            value = row.get(column)
             if isinstance(value, float) and math.isfinite(value):
                 by_round.setdefault(int(row["round"]), []).append(value)
     rounds = sorted(by_round)
     return rounds, [statistics.mean(by_round[r]) for r in rounds]
 
 
+def _quarter_means(rounds: list[int], values: list[float]) -> list[float | None]:
+    """Means of ``values`` over each quarter of the rounds up to the last."""
+    last = rounds[-1]
+    quarters = [[v for r, v in zip(rounds, values, strict=True)
+                 if q * last / 4 < r <= (q + 1) * last / 4] for q in range(4)]
+    return [statistics.mean(q) if q else None for q in quarters]
+
+
 def format_feedback(methods: list[MethodResult]) -> str | None:
     """A markdown table of each error-feedback method's ``feedback_ratio`` (a client's
     residual over its fresh update, see :class:`fedcomp.ops.results.RoundRecord`),
-    mean over each quarter of its rounds and over seeds: a ratio that settles, or one
-    that keeps growing because the uplink carries less than the clients learn. None
-    when no run recorded it."""
+    mean over each quarter of its rounds and over seeds, and how much the residual
+    itself grew from the second quarter to the fourth (the first holds clients' first
+    rounds, which carry none): a ratio that grows with the residual means the uplink
+    carries less than the clients learn; one that grows while the residual does not,
+    that the fresh updates shrink as training converges. None when no run recorded
+    the ratio."""
     lines = []
     for m in methods:
         rounds, ratios = feedback_series(m)
         if not rounds:
             continue
-        last = rounds[-1]
-        quarters = [[v for r, v in zip(rounds, ratios, strict=True)
-                     if q * last / 4 < r <= (q + 1) * last / 4] for q in range(4)]
-        lines.append(f"| {m.method} | {len(m.runs)} | " + " | ".join(
-            f"{statistics.mean(q):.2f}" if q else "-" for q in quarters) + " |")
+        cells = [f"{q:.2f}" if q is not None else "-" for q in _quarter_means(rounds, ratios)]
+        residual_rounds, residuals = feedback_series(m, "feedback_residual")
+        growth = "-"
+        if residual_rounds:
+            second, fourth = _quarter_means(residual_rounds, residuals)[1::2]
+            if second and fourth is not None:
+                growth = f"{fourth / second:.2f}"
+        lines.append(f"| {m.method} | {len(m.runs)} | " + " | ".join(cells)
+                     + f" | {growth} |")
     if not lines:
         return None
-    return "\n".join(["| method | seeds | rounds, 1st quarter | 2nd | 3rd | 4th |",
-                      "|---|---|---|---|---|---|", *lines])
+    return "\n".join(["| method | seeds | ratio, 1st quarter of the rounds | 2nd | 3rd | 4th "
+                      "| residual, 4th quarter over 2nd |",
+                      "|---|---|---|---|---|---|---|", *lines])
 
 
 def plot_feedback(methods: list[MethodResult], out_dir: Path) -> Path | None:
@@ -804,9 +821,11 @@ def write_report(out_dir: str | Path, target: float | None = None,
     if (feedback := format_feedback(methods)) is not None:
         tables.append("Error feedback: the residual a client carries into a round over "
                       "its fresh update (median over the round's clients; means over "
-                      "each quarter of the rounds and over seeds). A ratio that keeps "
-                      "growing means the uplink carries less than the clients learn.\n\n"
-                      + feedback)
+                      "each quarter of the rounds and over seeds), and how much the "
+                      "residual itself grew. A ratio that grows with the residual means "
+                      "the uplink carries less than the clients learn; one that grows "
+                      "while the residual does not, that the updates shrink as training "
+                      "converges.\n\n" + feedback)
     if at_rounds:
         tables.append("Accuracy at chosen rounds (mean over seeds).\n\n"
                       + format_accuracy_at_rounds(methods, at_rounds))

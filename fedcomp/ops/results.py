@@ -50,7 +50,7 @@ ROUND_COLUMNS = [
     "clients_sampled", "wire_nodes", "wire_up_bytes", "wire_down_bytes", "protocol_up_bytes",
     "protocol_down_bytes", "uplink_density", "uplink_tensor_density", "uplink_value_bits",
     "downlink_density", "downlink_tensor_density", "downlink_value_bits",
-    "uplink_tensor_sent", "downlink_tensor_sent", "feedback_ratio",
+    "uplink_tensor_sent", "downlink_tensor_sent", "feedback_ratio", "feedback_residual",
 ]
 
 #: The columns of ``rounds.csv`` that hold text, not numbers.
@@ -125,10 +125,14 @@ class RoundRecord:
     #: Each client's residual carried into the round (after any update given back)
     #: over the norm of its fresh update, the median over the replies read; NaN
     #: without error feedback or where clients do not report the two norms (under
-    #: differential privacy). A ratio that settles means the codec sends, over a few
-    #: rounds, what the clients learn; one that keeps growing means it sends less, and
-    #: the residual holds ever older updates.
+    #: differential privacy). A ratio of r: the residual holds about r rounds of what
+    #: a client now learns. It grows when the residual grows (the codec sends less than
+    #: the clients learn) or when the fresh updates shrink as training converges and
+    #: the residual drains more slowly; ``feedback_residual`` tells the two apart.
     feedback_ratio: float = math.nan
+    #: With error feedback: the residual's norm itself, the median over the same
+    #: replies as ``feedback_ratio``.
+    feedback_residual: float = math.nan
 
 
 def machine_facts() -> dict[str, Any]:
@@ -202,14 +206,16 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
 
 def record_feedback_ratio(record: RoundRecord,
                           client_metrics: Mapping[int, Mapping[str, float]]) -> None:
-    """The round's ``feedback_ratio``: the median over the clients that report both
-    norms (``residual-norm-in``, ``delta-norm`` > 0) of the first over the second.
-    The median, since one client that barely trained (a tiny fresh update) would
-    swing a mean. Unchanged (NaN) when no client reports them."""
-    ratios = [m["residual-norm-in"] / m["delta-norm"] for m in client_metrics.values()
-              if "residual-norm-in" in m and m.get("delta-norm", 0.0) > 0]
-    if ratios:
-        record.feedback_ratio = float(statistics.median(ratios))
+    """The round's ``feedback_ratio`` and ``feedback_residual``: over the clients that
+    report both norms (``residual-norm-in``, ``delta-norm`` > 0), the median of the
+    first over the second, and the median of the first. Medians, since one client
+    that barely trained (a tiny fresh update) would swing a mean. Unchanged (NaN)
+    when no client reports them."""
+    norms = [(m["residual-norm-in"], m["delta-norm"]) for m in client_metrics.values()
+             if "residual-norm-in" in m and m.get("delta-norm", 0.0) > 0]
+    if norms:
+        record.feedback_ratio = float(statistics.median(r / d for r, d in norms))
+        record.feedback_residual = float(statistics.median(r for r, _ in norms))
 
 
 def record_downlink_densities(kept: Sequence[Mapping[str, tuple[int, float]]],
