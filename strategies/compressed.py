@@ -72,7 +72,7 @@ from fedcomp.ops.results import (
     RoundRecord,
     record_densities,
     record_downlink_densities,
-    record_feedback_ratio,
+    record_feedback,
 )
 from fedcomp.privacy.clipping import update_norm
 from fedcomp.privacy.server import NoPrivacy, ServerPrivacy, server_privacy
@@ -410,7 +410,7 @@ class CompressedFedAvg(FedAvg):
         stats.record.decode_s = result.decode_s
         record_densities(result.kept, self.expected, stats.record, stats.client_metrics)
         if self.cfg.feedback != "none":
-            record_feedback_ratio(stats.record, stats.client_metrics)
+            record_feedback(stats.record, stats.client_metrics)
         stats.record.clients_ok = len(result.accepted)
         for reason, count in result.rejected_by_reason.items():
             stats.reject(reason, count)

@@ -17,7 +17,8 @@ groups runs into *methods* (all grid values but the seed), and writes:
   (``--extra-target``): the headline tables of ``experiments/RESULTS.md`` come from it;
 * a whole-run table: final and best accuracy, and bytes per round, uplink and total,
   with their factor against plain FedAvg (the per-round compression, which a
-  bytes-to-target factor divides by the ratio of rounds each method needed);
+  bytes-to-target factor divides by the ratio of rounds each method needed), or
+  against the fp32 model in the same rounds where the runs hold no FedAvg run;
 * with ``--at-round``, accuracy at chosen rounds (mean over seeds): how short pilots
   are compared, where no method has reached a target yet.
 
@@ -327,7 +328,9 @@ def _fp32_factors(method: MethodResult) -> tuple[float | None, float | None]:
 
 
 def format_whole_runs(methods: list[MethodResult], reference_name: str | None = None) -> str:
-    """A markdown table of whole runs: accuracy and bytes per round against plain FedAvg.
+    """A markdown table of whole runs: accuracy and bytes per round against plain FedAvg
+    (the reference), or, where the runs hold none, against the fp32 model sent both
+    ways in the same rounds.
 
     Bytes per round (rather than per run) keep runs of different lengths comparable.
     """

@@ -40,7 +40,7 @@ __all__ = [
     "format_wire_line",
     "record_densities",
     "record_downlink_densities",
-    "record_feedback_ratio",
+    "record_feedback",
 ]
 
 ROUND_COLUMNS = [
@@ -204,7 +204,7 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
     record.uplink_tensor_sent = _tensor_sent(payloads, numel)
 
 
-def record_feedback_ratio(record: RoundRecord,
+def record_feedback(record: RoundRecord,
                           client_metrics: Mapping[int, Mapping[str, float]]) -> None:
     """The round's ``feedback_ratio`` and ``feedback_residual``: over the clients that
     report both norms (``residual-norm-in``, ``delta-norm`` > 0), the median of the
