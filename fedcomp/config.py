@@ -50,6 +50,9 @@ _CHOICES = {
     # shared: one compressed model for all (fedcomp.federated.downlink.Broadcaster); per-client:
     # each client's own difference (fedcomp.federated.downlink.PerClientBroadcaster).
     "downlink_mode": ("shared", "per-client"),
+    # budgeted: every tensor's share chosen by the budget; small-codec: tensors under
+    # min-numel sent whole in small-codec in every payload, the budget allocating the rest.
+    "budget_small_tensors": ("budgeted", "small-codec"),
 }
 
 
@@ -112,6 +115,7 @@ class RunConfig:
     downlink_budget: str = ""
     budget_values: str = "auto"
     budget_worth: str = "energy"
+    budget_small_tensors: str = "budgeted"
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
     downlink_forget_after: int = 0
@@ -304,7 +308,8 @@ class RunConfig:
                     budgeted=budget is not None,
                     budget_values=values if budget is not None else (),
                     # The downlink's receiver applies what it gets as it is: energy.
-                    budget_worth=self.budget_worth if codec_key == "codec" else "energy")
+                    budget_worth=self.budget_worth if codec_key == "codec" else "energy",
+                    budget_small_fixed=self.budget_small_tensors == "small-codec")
             except SpecError as exc:
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"
                                 ) from None
@@ -389,7 +394,14 @@ class RunConfig:
             if budget.payload_bytes(numel) < need:
                 fixed = [name for name, shape in shapes.items()
                          if policy.family_for(tuple(shape), name) is None]
-                rest = (f"and {len(fixed)} tensors in their override codecs" if fixed
+                # Fixed by size, not by an override: no override names them.
+                small = [name for name in fixed if policy.pipeline_for(tuple(shapes[name]), name)
+                         is policy.pipeline_for(tuple(shapes[name]))]
+                parts = [f"{len(fixed) - len(small)} tensors in their override codecs"
+                         if len(fixed) > len(small) else "",
+                         f"{len(small)} tensors under min-numel whole in small-codec "
+                         f"{self.small_codec!r}" if small else ""]
+                rest = ("and " + " and ".join(p for p in parts if p) if fixed
                         else "and no other tensor")
                 raise SpecError(
                     f"run config {key!r} {budget.describe(numel)} is below the smallest "

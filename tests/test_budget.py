@@ -376,6 +376,58 @@ def test_error_feedback_keeps_exactly_what_the_budget_did_not_send():
         np.testing.assert_allclose(sent[name] + residual[name], inputs[name], atol=1e-4)
 
 
+SMALL_FIXED = CompressionPolicy(TEMPLATE, "ternary:mode=mean", 1024, budgeted=True,
+                                budget_values=VALUE_CHOICES, budget_small_fixed=True)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(["100x", "300x", "1000x"]))
+def test_small_tensors_fixed_under_a_budget_are_sent_whole_every_time(seed, text):
+    """With ``budget_small_fixed`` the tensors under ``min_numel`` leave the budget's
+    choice: every payload carries each of them whole in ``small_codec`` (a sign and
+    a scale here), within the same budget, and the larger tensors share the rest. A
+    codec that dropped one, or budgeted it, would decode it to fewer non-zeros or to
+    another pipeline."""
+    small = [name for name, shape in SHAPES.items() if math.prod(shape) < 1024]
+    assert small == ["conv1.weight", "conv1.bias"]
+    budget = parse_budget(text).payload_bytes(NUMEL)
+    memory = ErrorFeedback(SMALL_FIXED.description)
+    sign = Pipeline.parse("ternary:mode=mean")
+    for server_round in range(3):
+        delta = _update(seed + server_round)
+        compensated = memory.compensate(delta)
+        update = encode_within_budget(delta, SMALL_FIXED, budget,
+                                      rng=np.random.default_rng(seed), feedback=memory,
+                                      meta={"round": server_round})
+        assert update.nbytes <= budget
+        assert set(update.choices) == set(SHAPES) - set(small)
+        decoded = unpack_payload(update.payload, expected=SMALL_FIXED.expected(SHAPES))
+        for name in small:
+            assert SMALL_FIXED.family_for(SHAPES[name], name) is None
+            assert decoded.pipelines[name].spec == sign.spec
+            expected = sign.decode_tensor(sign.encode(compensated[name],
+                                                      rng=np.random.default_rng(0)),
+                                          SHAPES[name])
+            np.testing.assert_allclose(decoded.tensors[name], expected, rtol=1e-6)
+            assert np.count_nonzero(decoded.tensors[name]) == math.prod(SHAPES[name])
+        assert sum(update.choices[name].count for name in update.choices) > 0
+
+
+def test_fixing_the_small_tensors_changes_the_feedback_key_and_the_floor():
+    """Error feedback saved under one rule must not resume under the other, and the
+    smallest payload now holds every small tensor whole."""
+    budgeted = CompressionPolicy(TEMPLATE, "ternary:mode=mean", 1024, budgeted=True,
+                                 budget_values=VALUE_CHOICES)
+    assert SMALL_FIXED.description != budgeted.description
+    assert minimum_payload_bytes(SMALL_FIXED, SHAPES) > minimum_payload_bytes(budgeted, SHAPES) \
+        + (288 + 32) // 8
+    assert budgeted.pipeline_for((32,)) is budgeted.pipeline_for((1024,))
+    unbudgeted = CompressionPolicy(TEMPLATE, "ternary:mode=mean", 1024,
+                                   budget_small_fixed=True)
+    assert unbudgeted.pipeline_for((32,)).spec == "ternary:mode=mean"
+    assert unbudgeted.family_for((64, 32, 3, 3)) is None
+
+
 def test_a_starved_tensor_is_sent_more_as_its_residual_grows():
     """fc1 moves a little, always the same way; the other tensors a lot, at random.
     Without memory fc1 is never worth its bytes and is left out every round; with
@@ -504,6 +556,14 @@ def test_run_config_refuses_a_budget_below_the_model_floor_naming_what_fits():
     with pytest.raises(SpecError,
                        match="one of 3 budgeted tensors and 2 tensors in their override"):
         pinned.check_budgets(SHAPES)
+    small = RunConfig.from_mapping({"uplink-budget": "100000x", "codec": TEMPLATE,
+                                    "budget-small-tensors": "small-codec",
+                                    "small-codec": "ternary:mode=mean"})
+    with pytest.raises(SpecError, match="one of 3 budgeted tensors and 2 tensors under "
+                                        "min-numel whole in small-codec 'ternary:mode=mean'"):
+        small.check_budgets(SHAPES)
+    with pytest.raises(SpecError, match=r"'budget-small-tensors'.*'fixed'"):
+        RunConfig.from_mapping({"uplink-budget": "500x", "budget-small-tensors": "fixed"})
     RunConfig.from_mapping({"uplink-budget": "200x"}).check_budgets(SHAPES)
     with pytest.raises(SpecError, match="'downlink-budget'"):
         RunConfig.from_mapping({"downlink-budget": "100000x"}).check_budgets(SHAPES)

@@ -96,9 +96,9 @@ class CompressionPolicy:
     budgeted
         Every tensor without an override gets its Top-K count (and, with
         ``budget_values``, its value coding) from a byte budget every update
-        (:func:`encode_within_budget`), whatever its size: ``small_codec`` and
-        ``min_numel`` are then unused. ``codec`` must start with an exact Top-K and
-        its count is only the template's.
+        (:func:`encode_within_budget`), whatever its size (unless
+        ``budget_small_fixed``). ``codec`` must start with an exact Top-K and its
+        count is only the template's.
     budget_values
         The value codings a budget chooses from for each tensor (spec strings, e.g.
         :data:`fedcomp.codecs.budget.VALUE_CHOICES`); empty: ``codec``'s own stages
@@ -107,6 +107,13 @@ class CompressionPolicy:
         How a budget weighs one tensor's kept energy against another's (one of
         :data:`fedcomp.codecs.budget.WORTH_MEASURES`, see
         :func:`fedcomp.codecs.budget.worth_weights`).
+    budget_small_fixed
+        Under a budget, tensors under ``min_numel`` elements keep ``small_codec``: each
+        is sent whole in every payload, its bytes counted against the budget, and the
+        budget allocates what is left to the larger tensors. Biases and norm gains are
+        a small share of a model's entries but move every coordinate they touch; a
+        model with many of them (a transformer) may learn only when every update
+        carries them. Unused without a budget.
     """
 
     codec: str = "none"
@@ -116,6 +123,7 @@ class CompressionPolicy:
     budgeted: bool = False
     budget_values: tuple[str, ...] = ()
     budget_worth: str = "energy"
+    budget_small_fixed: bool = False
     _pipelines: tuple[Pipeline, Pipeline] = field(init=False, repr=False, compare=False)
     _override_pipelines: tuple[tuple[str, Pipeline], ...] = field(
         init=False, repr=False, compare=False)
@@ -158,6 +166,8 @@ class CompressionPolicy:
                 text += f" ({', '.join(self.budget_values)})"
             if self.budget_worth != "energy":
                 text += f" worth {self.budget_worth}"
+            if self.budget_small_fixed:
+                text += f" small<{self.min_numel} fixed"
         return text
 
     @property
@@ -189,7 +199,9 @@ class CompressionPolicy:
                 if fnmatch.fnmatchcase(name, pattern):
                     return pipeline
         big, small = self._pipelines
-        return big if self.budgeted or math.prod(shape) >= self.min_numel else small
+        if math.prod(shape) >= self.min_numel:
+            return big
+        return big if self.budgeted and not self.budget_small_fixed else small
 
     def expected(self, shapes: Mapping[str, Sequence[int]], *,
                  selection: Mapping[str, Sequence[int]] | None = None
