@@ -221,6 +221,10 @@ def probe(*, warmup_rounds: int, clients: int, budget: str, seed: int, lr: float
             for name, choice in Allocator(delta, models, weights).allocate(budget_bits).items():
                 shares.setdefault(measure, {}).setdefault(name, []).append(
                     choice.count / delta[name].size)
+        balanced = Allocator(delta, models, balanced=True).allocate(budget_bits)
+        for name, choice in balanced.items():
+            shares.setdefault("balanced", {}).setdefault(name, []).append(
+                choice.count / delta[name].size)
     return {measure: {name: statistics.mean(values) for name, values in per.items()}
             for measure, per in shares.items()}
 

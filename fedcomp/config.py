@@ -293,8 +293,9 @@ class RunConfig:
             raise SpecError(f"run config 'budget-worth' must be 'energy' (a tensor's kept "
                             f"energy as it is), 'adaptive' (divided by the rms of its "
                             f"fresh update, as an adaptive server optimizer scales its "
-                            f"steps) or 'relative' (divided by the tensor's squared norm: "
-                            f"its relative change); it weighs the uplink only; got "
+                            f"steps), 'relative' (divided by the tensor's squared norm: "
+                            f"its relative change) or 'balanced' (the log of the share of "
+                            f"its energy kept); it weighs the uplink only; got "
                             f"{self.budget_worth!r}")
         values = VALUE_CHOICES if self.budget_values == "auto" else ()
         policies, notices = [], []

@@ -727,3 +727,54 @@ def test_a_relative_budget_sends_a_small_scaled_layer_that_energy_leaves_out():
                                budget_worth="relative")
     with pytest.raises(SpecError, match="needs the model"):
         encode_within_budget(update, policy, budget, rng=np.random.default_rng(0))
+
+
+# ---------------------------------------------------------------------------- balanced
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(-10, 10), st.floats(2_000, 60_000))
+def test_balanced_worth_ignores_a_tensors_scale(seed, log2_scale, budget_bits):
+    """The log of the share kept does not change when a tensor's update is scaled, so
+    neither does any choice; energy would move bits to or from the scaled tensor.
+    (Powers of two scale floats exactly.)"""
+    base = _update(seed)
+    models = {name: MODELS for name in SHAPES}
+    scaled = {**base, "conv2.weight": base["conv2.weight"] * np.float32(2.0 ** log2_scale)}
+    assert Allocator(base, models, balanced=True).allocate(budget_bits) == \
+        Allocator(scaled, models, balanced=True).allocate(budget_bits)
+
+
+def test_balanced_worth_sends_every_tensor_that_energy_leaves_out():
+    """A tensor whose update is a thousandth of the others' keeps nothing worth its
+    header under energy; under balanced worth it keeps a share like the others',
+    as a fixed Top-K ratio per tensor would."""
+    update = _update(7, {"fc1.weight": 1e-3, "conv1.bias": 1e-3})
+    models = {name: MODELS for name in SHAPES}
+    budget_bits = 8.0 * parse_budget("300x").payload_bytes(NUMEL)
+    energy = Allocator(update, models).allocate(budget_bits)
+    balanced = Allocator(update, models, balanced=True).allocate(budget_bits)
+    assert energy["fc1.weight"].count == 0
+    assert all(choice.count > 0 for choice in balanced.values())
+    allocator = Allocator(update, models, balanced=True)
+    assert allocator.estimated_bits(balanced) <= budget_bits
+    assert balanced == Allocator(update, models, {"fc1.weight": 1e6},
+                                 balanced=True).allocate(budget_bits)  # weights ignored
+    tiny = Allocator(update, models, balanced=True).allocate(50.0)  # not one entry each
+    assert Allocator(update, models, balanced=True).estimated_bits(tiny) <= 50.0
+    assert any(choice.count == 0 for choice in tiny.values())
+
+
+@pytest.mark.parametrize("text", ["100x", "1000x"])
+def test_a_balanced_budget_fits_and_the_run_config_takes_it(text):
+    policy = CompressionPolicy(TEMPLATE, "quant:bits=8", 1024, budgeted=True,
+                               budget_worth="balanced")
+    budget = parse_budget(text).payload_bytes(NUMEL)
+    memory = ErrorFeedback(policy.description)
+    for server_round in range(3):
+        update = encode_within_budget(_update(server_round), policy, budget,
+                                      rng=np.random.default_rng(0), feedback=memory,
+                                      meta={"round": server_round})
+        assert update.nbytes <= budget
+        assert all(choice.count > 0 for choice in update.choices.values())
+    assert RunConfig.from_mapping({"uplink-budget": text, "codec": TEMPLATE,
+                                   "budget-worth": "balanced"}).uplink_policy.budget_worth \
+        == "balanced"

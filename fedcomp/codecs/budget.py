@@ -362,7 +362,15 @@ class _Hull:
     choices: tuple[Choice, ...]
 
 
-def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
+#: Under ``budget-worth = "balanced"``, the share of a tensor's energy that leaving it
+#: out is counted as keeping (its log is the utility of sending nothing): far below
+#: what one entry of any real tensor keeps, so a tensor is left out only where the
+#: budget cannot hold one entry of every tensor.
+BALANCED_FLOOR = 1e-9
+
+
+def _hull(values: np.ndarray, models: Sequence[ValueModel], *,
+          log_share: bool = False) -> _Hull:
     flat = np.abs(np.asarray(values, dtype=np.float32).reshape(-1))
     counts = candidate_counts(flat.size)
     # Sorted in float32 (twice as fast), then widened: the same numbers in the same order.
@@ -375,6 +383,10 @@ def _hull(values: np.ndarray, models: Sequence[ValueModel]) -> _Hull:
     # Leaving the tensor out: no bytes, nothing kept.
     bits, energy = np.append(0.0, bits), np.append(0.0, energy)
     choices.insert(0, Choice(0))
+    if log_share:  # the log of the share of the tensor's energy kept
+        total = float(prefix[0][-1]) if flat.size else 0.0
+        share = energy / total if total > 0 else np.zeros_like(energy)
+        energy = np.log(np.maximum(share, BALANCED_FLOOR))
     keep: list[int] = []
     for i in np.lexsort((-energy, bits)):  # cheapest first, the better of equal costs
         if keep and energy[i] <= energy[keep[-1]]:
@@ -397,7 +409,7 @@ def _weighted(hull: _Hull, weight: float) -> _Hull:
 
 
 #: The measures of what a tensor's kept energy is worth (``budget-worth``).
-WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive", "relative")
+WORTH_MEASURES: tuple[str, ...] = ("energy", "adaptive", "relative", "balanced")
 
 
 def worth_weights(measure: str, fresh: Mapping[str, np.ndarray],
@@ -431,6 +443,15 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray],
       tensor that is (near) zero, e.g. a bias at initialisation: its whole fresh
       update is then worth about one unit.
 
+    * ``"balanced"``: all 1, and each tensor's worth is the *log* of the share of its
+      own energy kept, not the energy (:class:`Allocator` with ``balanced``). The
+      budget then maximises the product of the tensors' kept shares: an entry is
+      worth its energy over what its tensor already keeps, so every tensor is sent
+      (leaving one out counts as keeping :data:`BALANCED_FLOOR` of it) and a tensor
+      whose update is small against the others' still keeps a like share of it, as
+      a fixed Top-K ratio per tensor does. Weights would only add a constant to a
+      tensor's log, so none is applied.
+
     Dividing by the mean square instead (every entry worth the same in its own
     tensor's units) is not offered: it ignores that the loss falls by the gradient
     times the step, so it starves small tensors (norms, biases) whose entries each
@@ -449,7 +470,7 @@ def worth_weights(measure: str, fresh: Mapping[str, np.ndarray],
         raise SpecError(f"budget worth must be one of {', '.join(WORTH_MEASURES)}, "
                         f"got {measure!r}")
     weights = {name: 1.0 for name in fresh}
-    if measure == "energy":
+    if measure in ("energy", "balanced"):
         return weights
     if measure == "relative" and fresh and (
             model is None or (missing := sorted(set(fresh) - set(model)))):
@@ -490,13 +511,19 @@ class Allocator:
         What a unit of each tensor's energy is worth against the others' (1 for a
         tensor not named; see :func:`worth_weights`). Scaling a tensor's energies
         leaves its own hull as it is and moves only the exchange rate between tensors.
+    balanced
+        Count each candidate's worth as the log of the share of its tensor's energy
+        it keeps (``budget-worth = "balanced"``; ``weights`` are then ignored): the
+        allocation maximises the product of the kept shares.
     """
 
     def __init__(self, tensors: Mapping[str, np.ndarray],
                  models: Mapping[str, Sequence[ValueModel]],
-                 weights: Mapping[str, float] | None = None) -> None:
-        weights = weights or {}
-        self.hulls = {name: _weighted(_hull(value, models[name]), weights.get(name, 1.0))
+                 weights: Mapping[str, float] | None = None, *,
+                 balanced: bool = False) -> None:
+        weights = {} if balanced else (weights or {})
+        self.hulls = {name: _weighted(_hull(value, models[name], log_share=balanced),
+                                      weights.get(name, 1.0))
                       for name, value in tensors.items()}
         self._models = {name: tuple(models[name]) for name in tensors}
         self._numel = {name: int(np.size(value)) for name, value in tensors.items()}
@@ -532,7 +559,9 @@ class Allocator:
         def total(choice: Mapping[str, int]) -> float:
             return float(sum(hulls[name].bits[i] for name, i in choice.items()))
 
-        scale = max(float(h.energy[-1]) for h in hulls.values())
+        # The widest span of worth (from leaving a tensor out, the hull's first point)
+        # sets the range of prices per bit worth bisecting.
+        scale = max(float(h.energy[-1] - h.energy[0]) for h in hulls.values())
         best = {name: 0 for name in hulls}
         if scale > 0:
             lo, hi = math.log(scale) - 80.0, math.log(scale) + 10.0  # price per bit

@@ -359,7 +359,7 @@ def encode_within_budget(
                             model)
     allocator = Allocator({name: compensated[name] for name in families},
                           {name: family.models for name, family in families.items()},
-                          weights)
+                          weights, balanced=policy.budget_worth == "balanced")
     best: tuple[EncodedUpdate, dict[str, Choice]] | None = None
     tries: list[tuple[float, int]] = []
     target = 8.0 * budget
