@@ -9,8 +9,10 @@ headline's model (non-IID Fashion-MNIST, 100 Dirichlet clients, alpha 0.3) with
 plain FedAvg for a few rounds in one process, then for a few clients' next local
 epoch allocates the budget under:
 
-* ``energy``, ``adaptive`` and ``relative``, the measures ``budget-worth`` offers
-  (:func:`fedcomp.codecs.budget.worth_weights`);
+* ``energy``, ``adaptive``, ``relative`` and ``balanced``, the measures
+  ``budget-worth`` offers (:func:`fedcomp.codecs.budget.worth_weights`; ``balanced``
+  counts the log of each tensor's kept share, :class:`~fedcomp.codecs.budget.Allocator`
+  with ``balanced``; the error-feedback probe below does not follow it);
 * candidates that are not offered: ``fisher`` (each tensor's energy times its
   empirical Fisher, the mean squared minibatch gradient at the global model: what a
   unit of change costs or gains in loss there), ``fisher/ms`` (the same over the
