@@ -398,12 +398,13 @@ class RunConfig:
                 # Fixed by size, not by an override: no override names them.
                 small = [name for name in fixed if policy.pipeline_for(tuple(shapes[name]), name)
                          is policy.pipeline_for(tuple(shapes[name]))]
-                parts = [f"{len(fixed) - len(small)} tensors in their override codecs"
-                         if len(fixed) > len(small) else "",
-                         f"{len(small)} tensors under min-numel whole in small-codec "
-                         f"{self.small_codec!r}" if small else ""]
-                rest = ("and " + " and ".join(p for p in parts if p) if fixed
-                        else "and no other tensor")
+                parts = []
+                if len(fixed) > len(small):
+                    parts.append(f"{len(fixed) - len(small)} tensors in their override codecs")
+                if small:
+                    parts.append(f"{len(small)} tensors under min-numel whole in small-codec "
+                                 f"{self.small_codec!r}")
+                rest = "and " + (" and ".join(parts) if parts else "no other tensor")
                 raise SpecError(
                     f"run config {key!r} {budget.describe(numel)} is below the smallest "
                     f"payload of this model: {need:,} bytes (the header, one Top-K entry "

@@ -205,7 +205,7 @@ def record_densities(kept: Mapping[int, Mapping[str, tuple[int, float]]],
 
 
 def record_feedback(record: RoundRecord,
-                          client_metrics: Mapping[int, Mapping[str, float]]) -> None:
+                    client_metrics: Mapping[int, Mapping[str, float]]) -> None:
     """The round's ``feedback_ratio`` and ``feedback_residual``: over the clients that
     report both norms (``residual-norm-in``, ``delta-norm`` > 0), the median of the
     first over the second, and the median of the first. Medians, since one client
