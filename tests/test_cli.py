@@ -127,6 +127,35 @@ def test_local_superlinks_whose_checkout_was_deleted_are_found_and_only_those(tm
     assert stale_local_superlinks(proc) == [102, 103, 104]
 
 
+def test_a_local_superlink_of_another_environment_is_found_and_refused(tmp_path):
+    from fedcomp.ops.cli import foreign_local_superlinks, refuse_foreign_local_superlink
+
+    proc = tmp_path / "proc"
+    ours, theirs = tmp_path / "here" / ".venv" / "bin", tmp_path / "there" / ".venv" / "bin"
+    ours.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "here")  # the same checkout by another path
+
+    def superlink(folder: str, *extra: str) -> list[str]:
+        return [f"{folder}/python", f"{folder}/flower-superlink", "--insecure", *extra,
+                "--port", "39091", "--database", str(tmp_path / "state.db")]
+
+    _fake_process(proc, 201, superlink(str(ours), "--simulation"), str(tmp_path), [])
+    _fake_process(proc, 202, superlink(str(tmp_path / "link" / ".venv" / "bin"),
+                                       "--simulation"), str(tmp_path), [])
+    _fake_process(proc, 203, ["python", "flower-superlink", "--simulation"], str(tmp_path), [])
+    _fake_process(proc, 204, superlink(str(theirs)), str(tmp_path), [])  # a deployment's
+    (proc / "self").mkdir()
+    assert foreign_local_superlinks(ours, proc) == []
+    refuse_foreign_local_superlink(ours, proc)  # nothing to refuse: returns
+
+    _fake_process(proc, 205, superlink(str(theirs), "--simulation"), str(tmp_path), [])
+    assert foreign_local_superlinks(ours, proc) == [(205, str(theirs))]
+    with pytest.raises(SystemExit) as raised:
+        refuse_foreign_local_superlink(ours, proc)
+    message = str(raised.value)
+    assert "pid 205" in message and str(theirs) in message and "kill 205" in message
+
+
 def test_a_stale_local_superlink_is_stopped(tmp_path, capsys):
     import subprocess
     import sys

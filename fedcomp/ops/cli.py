@@ -90,6 +90,61 @@ def stale_local_superlinks(proc: Path = Path("/proc")) -> list[int]:
     return sorted(found)
 
 
+def foreign_local_superlinks(tools: str | Path | None = None,
+                             proc: Path = Path("/proc")) -> list[tuple[int, str]]:
+    """Flower's local SuperLinks started from another Python environment: (process
+    id, the folder its ``flower-superlink`` runs from) of each.
+
+    A run submitted to the local SuperLink is executed by the ``flwr-simulation`` that
+    SuperLink starts, with the SuperLink's own interpreter: it imports ``fedcomp``
+    (and torch, flwr) from the environment that started the SuperLink, not from the
+    one that submitted the run. A SuperLink left running by another checkout's tests,
+    ``make run`` or sweeps would therefore run this checkout's experiments with that
+    checkout's code, silently. ``tools``: this environment's scripts folder (default:
+    the running interpreter's). A SuperLink whose command line names its script
+    without a folder cannot be placed and is not reported.
+    """
+    ours = Path(tools) if tools is not None else Path(sys.executable).parent
+    same = {os.path.abspath(ours), os.path.realpath(ours)}
+    found = []
+    for entry in proc.glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        args = [a.decode(errors="replace") for a in argv if a]
+        scripts = [a for a in args if a.endswith("flower-superlink")]
+        if not scripts or "--simulation" not in args:
+            continue
+        folder = os.path.dirname(scripts[0])
+        if folder and os.path.abspath(folder) not in same \
+                and os.path.realpath(folder) not in same:
+            found.append((int(entry.name), folder))
+    return sorted(found)
+
+
+def refuse_foreign_local_superlink(tools: str | Path | None = None,
+                                   proc: Path = Path("/proc")) -> None:
+    """Stop with a clear error where the local SuperLink belongs to another Python
+    environment (:func:`foreign_local_superlinks`), before a run is submitted to it.
+
+    Raises
+    ------
+    SystemExit
+        Naming the SuperLink's process id and folder, and how to go on.
+    """
+    foreign = foreign_local_superlinks(tools, proc)
+    if not foreign:
+        return
+    pid, folder = foreign[0]
+    ours = Path(tools) if tools is not None else Path(sys.executable).parent
+    raise SystemExit(
+        f"error: Flower's local SuperLink (pid {pid}) was started from {folder}, not from "
+        f"this environment ({ours}); a run submitted to it would import fedcomp from "
+        f"that environment's checkout, not this one. Wait for its runs to finish, stop "
+        f"it (kill {pid}), then run this again.")
+
+
 def stop_stale_local_superlinks(proc: Path = Path("/proc"), *, wait_s: float = 10.0) -> list[int]:
     """Stop the local SuperLinks :func:`stale_local_superlinks` finds (SIGTERM, then
     SIGKILL after ``wait_s``), so that ``flwr run ... local`` starts a fresh one.
@@ -146,6 +201,7 @@ def _flower_run(project: Path, connection: str, run_config: str, *, federation: 
     flwr = _flwr()
     if connection == "local":
         stop_stale_local_superlinks()
+        refuse_foreign_local_superlink()
     command = [flwr, "run", str(project), connection, "--format", "json",
                "--run-config", run_config]
     if federation:
