@@ -778,3 +778,23 @@ def test_a_balanced_budget_fits_and_the_run_config_takes_it(text):
     assert RunConfig.from_mapping({"uplink-budget": text, "codec": TEMPLATE,
                                    "budget-worth": "balanced"}).uplink_policy.budget_worth \
         == "balanced"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.floats(-30.0, 5.0), st.sampled_from([POLICY, AUTO]),
+       st.booleans())
+def test_a_price_picks_each_hulls_first_best_point(seed, log_price, policy, balanced):
+    tensors = _update(seed)
+    allocator = Allocator(tensors, _models(tensors, policy), balanced=balanced)
+    scale = max(float(h.energy[-1] - h.energy[0]) for h in allocator.hulls.values())
+    lam = scale * math.exp(log_price)
+    chosen = allocator.at_price(lam)
+    assert chosen == {name: int(np.argmax(h.energy - lam * h.bits))
+                      for name, h in allocator.hulls.items()}
+    # A price between a hull's two neighbouring slopes picks the point between them.
+    name, hull = next(iter(allocator.hulls.items()))
+    if len(hull.bits) >= 3:
+        slopes = np.diff(hull.energy) / np.diff(hull.bits)
+        i = len(slopes) // 2
+        assert allocator.at_price(0.5 * (slopes[i - 1] + slopes[i]))[name] == i
+    assert Allocator({}, {}).at_price(lam) == {}

@@ -66,6 +66,7 @@ class Pipeline(Codec):
                     "byte stages (zstd) last"
                 )
         self.stages: tuple[Codec, ...] = stages
+        self._spec: str | None = None
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -75,11 +76,16 @@ class Pipeline(Codec):
 
     @property
     def spec(self) -> str:
-        """Canonical spec string; ``Pipeline.parse(p.spec)`` rebuilds ``p``."""
-        return format_spec(
-            [stage.get_config() for stage in self.stages],
-            [stage.defaults() for stage in self.stages],
-        )
+        """Canonical spec string; ``Pipeline.parse(p.spec)`` rebuilds ``p``.
+
+        Formatted once (the stages are fixed once built): an encode names its
+        pipeline several times (layout, header, checks)."""
+        if self._spec is None:
+            self._spec = format_spec(
+                [stage.get_config() for stage in self.stages],
+                [stage.defaults() for stage in self.stages],
+            )
+        return self._spec
 
     def get_config(self) -> dict[str, Any]:
         return {"id": self.codec_id, "stages": [s.get_config() for s in self.stages]}
