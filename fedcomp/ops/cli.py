@@ -570,7 +570,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="add a table of accuracy at round N (repeatable)")
     rep.add_argument("--reference", default=None, metavar="METHOD",
                      help="the method the target and factors come from (default: the one "
-                          "plain FedAvg method; required where there are several)")
+                          "plain FedAvg method; required where there are several); "
+                          "'strongest-fp32': the fp32 method with the highest mean best "
+                          "accuracy")
     rep.add_argument("--paired", action="store_true",
                      help="after each bytes-to-target table, the factors seed by seed "
                           "against the reference run of the same seed")

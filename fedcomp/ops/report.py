@@ -30,7 +30,9 @@ holds several plain FedAvg methods (one with more local epochs, say), ``--refere
 names the one the target and the factors come from. Any method can be the reference
 (FedAvg with the same server averaging: the strongest fp32 baseline that costs no
 extra bytes); the bytes-to-target table then shows the factors against plain FedAvg
-beside those against the reference.
+beside those against the reference. ``--reference strongest-fp32`` takes the fp32
+method with the highest mean best accuracy, whatever its server rule, averaging or
+local epochs.
 """
 
 from __future__ import annotations
@@ -165,17 +167,51 @@ def is_plain_fedavg(config: dict[str, Any]) -> bool:
             and float(config.get("server-average", 0.0)) == 0.0)
 
 
+#: The ``--reference`` that picks the strongest fp32 baseline of the sweep
+#: (:func:`is_fp32_baseline`) rather than naming one.
+STRONGEST_FP32 = "strongest-fp32"
+
+
+def is_fp32_baseline(config: dict[str, Any]) -> bool:
+    """Whether a run sends every update and every model in fp32, with no privacy noise:
+    a baseline that costs no extra bytes over plain FedAvg, whatever its server rule,
+    averaging or local epochs.
+
+    Configs written before a setting existed lack its key; they did not use it.
+    """
+    return (config.get("codec") == "none"
+            and config.get("small-codec", "none") == "none"
+            and not config.get("codec-overrides", "")
+            and not config.get("uplink-budget", "")
+            and config.get("downlink-codec", "none") == "none"
+            and not config.get("downlink-codec-overrides", "")
+            and not config.get("downlink-budget", "")
+            and config.get("dp", "none") == "none")
+
+
 def reference_method(methods: list[MethodResult], name: str | None = None
                      ) -> MethodResult | None:
     """The method others are compared with: ``name``, or the one plain FedAvg method.
 
     A sweep may hold several plain FedAvg methods (with more local epochs, say); then
     the reference must be named, since the target and every factor depend on it.
+    :data:`STRONGEST_FP32` (where no method has that name) picks the fp32 baseline
+    (:func:`is_fp32_baseline`) with the highest mean best accuracy, the first in the
+    sweep's order among equals: the strongest baseline that costs no extra bytes
+    among those the sweep ran, so that the reference is a rule, not a choice made
+    after seeing the factors.
     """
     if name is not None:
         for method in methods:
             if method.method == name:
                 return method
+        if name == STRONGEST_FP32:
+            baselines = [m for m in methods if is_fp32_baseline(m.runs[0].summary["config"])]
+            if not baselines:
+                raise ValueError("no fp32 baseline in this sweep (codec and downlink codec "
+                                 "\"none\", no budget, no override, no DP) to take as the "
+                                 "strongest")
+            return max(baselines, key=lambda m: statistics.mean(m.best_accuracy))
         raise ValueError(f"reference method {name!r} is not in this sweep; its methods: "
                          + ", ".join(repr(m.method) for m in methods))
     plain = [m for m in methods if is_plain_fedavg(m.runs[0].summary["config"])]
