@@ -529,7 +529,7 @@ def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp
 #: with "-" for "_"); the attack benchmarks' runs come from fault_tolerance.py instead.
 COMMITTED_RUNS = ("headline", "held-out-seeds", "dp-sample", "dp-client", "mnist1d", "budget",
                   "budget-mnist1d", "budget-pilot", "budget-mnist1d-pilot", "budget-mnist1d-long",
-                  "feedback-lag", "feedback-lag-fashion", "local-epochs-pilot")
+                  "feedback-lag", "feedback-lag-fashion", "local-epochs-pilot", "local-epochs")
 
 
 @pytest.mark.parametrize("folder", COMMITTED_RUNS)
