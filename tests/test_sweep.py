@@ -343,6 +343,20 @@ def test_only_plain_fedavg_sets_the_target_and_the_reference(tmp_path):
     assert rows["FedAvg"] == ["0.5", "0.5", "1.0", "1.0"]
 
 
+def _curve_runner(curve):
+    """A runner that records ``curve(cfg)`` as a run's accuracy, round by round, with
+    1000 uplink bytes a round uncompressed (50 compressed) and 1000 down."""
+    def runner(cfg: RunConfig, num_supernodes: int) -> dict:
+        recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
+                               model_bytes=1000, num_rounds=3, verbose=False)
+        for rnd, a in enumerate(curve(cfg), 1):
+            recorder.record(RoundRecord(rnd, accuracy=a, clients_ok=1,
+                                        uplink_bytes=1000 if cfg.codec == "none" else 50,
+                                        downlink_bytes=1000))
+        return recorder.finish()
+    return runner
+
+
 def test_the_strongest_fp32_reference_is_the_best_method_that_costs_no_extra_bytes(
         tmp_path):
     """``strongest-fp32`` takes the uncompressed, noise-free method with the highest
@@ -377,17 +391,11 @@ def test_the_strongest_fp32_reference_is_the_best_method_that_costs_no_extra_byt
             return "FedAdam"
         return "FedAvg averaged, 2 epochs" if cfg.local_epochs == 2 else "FedAvg"
 
-    def runner(cfg: RunConfig, num_supernodes: int) -> dict:
-        recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
-                               model_bytes=1000, num_rounds=3, verbose=False)
+    def curve(cfg: RunConfig) -> list[float]:
         top = best[method_of(cfg), cfg.seed]
-        for rnd, a in enumerate([top - 0.2, top - 0.05, top], 1):
-            recorder.record(RoundRecord(rnd, accuracy=a, clients_ok=1,
-                                        uplink_bytes=1000 if cfg.codec == "none" else 50,
-                                        downlink_bytes=1000))
-        return recorder.finish()
+        return [top - 0.2, top - 0.05, top]
 
-    run_sweep(sweep, tmp_path, runner, log=lambda _: None)
+    run_sweep(sweep, tmp_path, _curve_runner(curve), log=lambda _: None)
     runs = load_runs(tmp_path)
     target, methods = build_report(runs, reference="strongest-fp32")
     assert target == pytest.approx(0.94 - 0.01)
@@ -451,16 +459,9 @@ def test_several_plain_fedavg_methods_need_a_named_reference(tmp_path):
     curves = {("none", False): [0.5, 0.8, 0.9], ("none", True): [0.7, 0.9, 0.95],
               ("sign", False): [0.3, 0.6, 0.85]}
 
-    def runner(cfg: RunConfig, num_supernodes: int) -> dict:
-        recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
-                               model_bytes=1000, num_rounds=3, verbose=False)
-        for rnd, a in enumerate(curves[cfg.codec, cfg.local_epochs == 2], 1):
-            recorder.record(RoundRecord(rnd, accuracy=a, clients_ok=1,
-                                        uplink_bytes=1000 if cfg.codec == "none" else 50,
-                                        downlink_bytes=1000))
-        return recorder.finish()
-
-    run_sweep(sweep, tmp_path, runner, log=lambda _: None)
+    run_sweep(sweep, tmp_path,
+              _curve_runner(lambda cfg: curves[cfg.codec, cfg.local_epochs == 2]),
+              log=lambda _: None)
     runs = load_runs(tmp_path)
     with pytest.raises(ValueError, match=r"'FedAvg', 'FedAvg, 2 epochs'.*--reference"):
         build_report(runs)
