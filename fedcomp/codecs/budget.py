@@ -527,8 +527,15 @@ class Allocator:
                       for name, value in tensors.items()}
         self._models = {name: tuple(models[name]) for name in tensors}
         self._numel = {name: int(np.size(value)) for name, value in tensors.items()}
-        self._flat: tuple[list[str], np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None \
-            = None
+        # All hulls back to back (for :meth:`at_price`): names, bits, energy, where
+        # each hull starts, and which hull each point belongs to.
+        names = list(self.hulls)
+        lengths = np.array([len(self.hulls[name].bits) for name in names], dtype=np.int64)
+        self._names = names
+        self._bits = np.concatenate([self.hulls[name].bits for name in names] or [[]])
+        self._energy = np.concatenate([self.hulls[name].energy for name in names] or [[]])
+        self._starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        self._owner = np.repeat(np.arange(len(names)), lengths)
 
     def at_price(self, lam: float) -> dict[str, int]:
         """Each tensor's hull index that maximises ``energy - lam * bits`` (the first
@@ -536,21 +543,13 @@ class Allocator:
 
         All hulls are laid back to back once, so a price costs a few array operations
         rather than one ``argmax`` per tensor: :meth:`allocate` bisects 60 prices."""
-        if not self.hulls:
+        if not self._names:
             return {}
-        if self._flat is None:
-            names = list(self.hulls)
-            lengths = np.array([len(self.hulls[name].bits) for name in names])
-            self._flat = (names,
-                          np.concatenate([self.hulls[name].bits for name in names]),
-                          np.concatenate([self.hulls[name].energy for name in names]),
-                          np.concatenate(([0], np.cumsum(lengths)[:-1])),
-                          np.repeat(np.arange(len(names)), lengths))
-        names, bits, energy, starts, owner = self._flat
-        worth = energy - lam * bits
-        at_peak = np.flatnonzero(worth == np.maximum.reduceat(worth, starts)[owner])
-        first = at_peak[np.concatenate(([True], np.diff(owner[at_peak]) != 0))]
-        return dict(zip(names, (first - starts).tolist(), strict=True))
+        worth = self._energy - lam * self._bits
+        peak = np.maximum.reduceat(worth, self._starts)[self._owner]
+        at_peak = np.flatnonzero(worth == peak)
+        first = at_peak[np.concatenate(([True], np.diff(self._owner[at_peak]) != 0))]
+        return dict(zip(self._names, (first - self._starts).tolist(), strict=True))
 
     def choice_bits(self, name: str, choice: Choice) -> float:
         """The estimated bits of one tensor's choice (0 when it is left out)."""
@@ -577,8 +576,6 @@ class Allocator:
         if not hulls:
             return {}
 
-        choose = self.at_price
-
         def total(choice: Mapping[str, int]) -> float:
             # Added one by one in tensor order, as the choices are compared to the
             # budget: the same float whatever the number of tensors.
@@ -590,12 +587,12 @@ class Allocator:
         best = {name: 0 for name in hulls}
         if scale > 0:
             lo, hi = math.log(scale) - 80.0, math.log(scale) + 10.0  # price per bit
-            if total(choose(math.exp(lo))) <= budget_bits:
-                best = choose(math.exp(lo))
+            if total(self.at_price(math.exp(lo))) <= budget_bits:
+                best = self.at_price(math.exp(lo))
             else:
                 for _ in range(60):
                     mid = 0.5 * (lo + hi)
-                    choice = choose(math.exp(mid))
+                    choice = self.at_price(math.exp(mid))
                     if total(choice) <= budget_bits:
                         hi, best = mid, choice
                     else:

@@ -59,6 +59,19 @@ def flower_env(project: Path) -> dict[str, str]:
     return env
 
 
+def _simulation_superlinks(proc: Path) -> Iterator[tuple[Path, list[str]]]:
+    """The ``/proc`` entry and command line of every running ``flower-superlink
+    --simulation`` (the SuperLinks ``flwr run ... local`` starts) that can be read."""
+    for entry in proc.glob("[0-9]*"):
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        args = [a.decode(errors="replace") for a in argv if a]
+        if any(a.endswith("flower-superlink") for a in args) and "--simulation" in args:
+            yield entry, args
+
+
 def stale_local_superlinks(proc: Path = Path("/proc")) -> list[int]:
     """Flower's local SuperLinks whose files are gone: the process ids.
 
@@ -71,13 +84,10 @@ def stale_local_superlinks(proc: Path = Path("/proc")) -> list[int]:
     is missing, or is open only as a deleted file, or its working folder is deleted.
     """
     found = []
-    for entry in proc.glob("[0-9]*"):
+    for entry, args in _simulation_superlinks(proc):
+        if "--database" not in args:
+            continue
         try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            args = [a.decode(errors="replace") for a in argv if a]
-            if not any(a.endswith("flower-superlink") for a in args) \
-                    or "--simulation" not in args or "--database" not in args:
-                continue
             database = args[args.index("--database") + 1]
             deleted = f"{database} (deleted)"
             links = [os.readlink(fd) for fd in (entry / "fd").iterdir()
@@ -107,16 +117,8 @@ def foreign_local_superlinks(tools: str | Path | None = None,
     ours = Path(tools) if tools is not None else Path(sys.executable).parent
     same = {os.path.abspath(ours), os.path.realpath(ours)}
     found = []
-    for entry in proc.glob("[0-9]*"):
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        args = [a.decode(errors="replace") for a in argv if a]
-        scripts = [a for a in args if a.endswith("flower-superlink")]
-        if not scripts or "--simulation" not in args:
-            continue
-        folder = os.path.dirname(scripts[0])
+    for entry, args in _simulation_superlinks(proc):
+        folder = os.path.dirname(next(a for a in args if a.endswith("flower-superlink")))
         if folder and os.path.abspath(folder) not in same \
                 and os.path.realpath(folder) not in same:
             found.append((int(entry.name), folder))
@@ -133,11 +135,11 @@ def refuse_foreign_local_superlink(tools: str | Path | None = None,
     SystemExit
         Naming the SuperLink's process id and folder, and how to go on.
     """
-    foreign = foreign_local_superlinks(tools, proc)
+    ours = Path(tools) if tools is not None else Path(sys.executable).parent
+    foreign = foreign_local_superlinks(ours, proc)
     if not foreign:
         return
     pid, folder = foreign[0]
-    ours = Path(tools) if tools is not None else Path(sys.executable).parent
     raise SystemExit(
         f"error: Flower's local SuperLink (pid {pid}) was started from {folder}, not from "
         f"this environment ({ours}); a run submitted to it would import fedcomp from "
