@@ -41,6 +41,7 @@ import numpy as np  # noqa: E402
 from fedcomp.codecs.budget import VALUE_CHOICES, parse_budget  # noqa: E402
 from fedcomp.codecs.feedback import ErrorFeedback  # noqa: E402
 from fedcomp.codecs.policy import (  # noqa: E402
+    WIRE_HEADERS,
     CompressionPolicy,
     encode_update,
     encode_within_budget,
@@ -67,17 +68,20 @@ def synthetic_update(shapes: dict[str, tuple[int, ...]], rng: np.random.Generato
     return out
 
 
-def bench(task: str, text: str, rounds: int, values: str = "auto") -> dict[str, Any]:
+def bench(task: str, text: str, rounds: int, values: str = "auto",
+          wire_header: str = "json") -> dict[str, Any]:
     """One row; ``values``: ``"auto"`` (each tensor's value coding chosen, as
     ``budget-values = "auto"``) or ``"ternary"`` (one sign bit and a scale, as preset
-    fedcomp-budget's uplink)."""
+    fedcomp-budget's uplink); ``wire_header``: as the run config's ``wire-header``."""
     shapes = model_shapes(task)
     numel = sum(math.prod(s) for s in shapes.values())
     policy = CompressionPolicy(FIXED_SPEC, budgeted=True,
-                               budget_values=VALUE_CHOICES if values == "auto" else ())
+                               budget_values=VALUE_CHOICES if values == "auto" else (),
+                               wire_header=wire_header)
     fixed = CompressionPolicy(FIXED_SPEC, min_numel=0)
     budget = parse_budget(text).payload_bytes(numel)
-    row: dict[str, Any] = {"task": task, "budget": text, "values": values, "parameters": numel,
+    row: dict[str, Any] = {"task": task, "budget": text, "values": values,
+                           "wire_header": wire_header, "parameters": numel,
                            "tensors": len(shapes), "budget_bytes": budget}
     smallest = smallest_budget_bytes(policy, shapes)
     if budget < smallest:  # a run refuses it before round 1 (RunConfig.check_budgets)
@@ -118,10 +122,11 @@ def bench(task: str, text: str, rounds: int, values: str = "auto") -> dict[str, 
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    titles = ["task", "budget", "values", "budget B", "payload B", "spent", "max", "header B",
-              "tensors sent", "enc ms", "dec ms", f"enc ms, {FIXED_SPEC} everywhere"]
+    titles = ["task", "budget", "values", "header", "budget B", "payload B", "spent", "max",
+              "header B", "tensors sent", "enc ms", "dec ms", f"enc ms, {FIXED_SPEC} everywhere"]
     measured = [r for r in rows if not r["refused"]]
-    cells = [[r["task"], r["budget"], r["values"], f"{r['budget_bytes']:,}",
+    cells = [[r["task"], r["budget"], r["values"], r["wire_header"],
+              f"{r['budget_bytes']:,}",
               f"{r['payload_bytes']:,.0f}",
               f"{100 * r['spent']:.1f}%", f"{100 * r['max_spent']:.1f}%",
               f"{r['framing_and_header_bytes']:.0f}",
@@ -129,14 +134,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{1000 * r['decode_s']:.1f}", f"{1000 * r['fixed_encode_s']:.1f}"]
              for r in measured]
     widths = [max([len(t), *(len(c[i]) for c in cells)]) for i, t in enumerate(titles)]
-    print("  ".join(t.ljust(w) if i < 3 else t.rjust(w)
+    print("  ".join(t.ljust(w) if i < 4 else t.rjust(w)
                     for i, (t, w) in enumerate(zip(titles, widths, strict=True))))
     for row in cells:
-        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w)
+        print("  ".join(c.ljust(w) if i < 4 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(row, widths, strict=True))))
     for r in rows:
         if r["refused"]:  # as a run would refuse it, before round 1
-            print(f"{r['task']} {r['budget']}, {r['values']} values ({r['budget_bytes']:,} B): "
+            print(f"{r['task']} {r['budget']}, {r['values']} values, {r['wire_header']} header "
+                  f"({r['budget_bytes']:,} B): "
                   f"refused, below the smallest budget of this model, "
                   f"{r['smallest_budget_bytes']:,} B ({r['largest_factor']}x)")
 
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="value codings: each tensor's chosen (auto, as "
                              "fedcomp-budget-auto) or one sign bit (ternary, as "
                              "fedcomp-budget's uplink); default: both")
+    parser.add_argument("--wire-header", action="append", choices=WIRE_HEADERS,
+                        help="header forms, as the run config's wire-header; default: both")
     parser.add_argument("--json", type=Path, help="write the rows as a JSON list here")
     args = parser.parse_args(argv)
     if args.rounds < 2:
@@ -158,11 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     for task in args.task or TASKS:
         for text in args.budget or BUDGETS:
             for values in args.values or ("auto", "ternary"):
-                print(f"  {task} {text} {values} ...", file=sys.stderr, flush=True)
-                rows.append(bench(task, text, args.rounds, values))
-                if args.json:  # after every row: an interrupted run keeps what it measured
-                    args.json.parent.mkdir(parents=True, exist_ok=True)
-                    args.json.write_text(json.dumps(rows, indent=1))
+                for form in args.wire_header or WIRE_HEADERS:
+                    print(f"  {task} {text} {values} {form} ...", file=sys.stderr, flush=True)
+                    rows.append(bench(task, text, args.rounds, values, form))
+                    if args.json:  # after every row: an interrupted run keeps its rows
+                        args.json.parent.mkdir(parents=True, exist_ok=True)
+                        args.json.write_text(json.dumps(rows, indent=1))
     print_table(rows)
     if args.json:
         print(f"wrote {args.json}")

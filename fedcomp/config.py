@@ -21,6 +21,7 @@ from typing import Any
 from fedcomp.codecs.budget import VALUE_CHOICES, WORTH_MEASURES, parse_budget
 from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.policy import (
+    WIRE_HEADERS,
     CompressionPolicy,
     encoder_fingerprint,
     parse_overrides,
@@ -53,6 +54,9 @@ _CHOICES = {
     # budgeted: every tensor's share chosen by the budget; small-codec: tensors under
     # min-numel sent whole in small-codec in every payload, the budget allocating the rest.
     "budget_small_tensors": ("budgeted", "small-codec"),
+    # json: the header as JSON against the layout dictionary; predicted: also the
+    # predicted header (fedcomp.codecs.compact_header), where it is smaller.
+    "wire_header": WIRE_HEADERS,
 }
 
 
@@ -116,6 +120,7 @@ class RunConfig:
     budget_values: str = "auto"
     budget_worth: str = "energy"
     budget_small_tensors: str = "budgeted"
+    wire_header: str = "json"
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
     downlink_forget_after: int = 0
@@ -310,7 +315,8 @@ class RunConfig:
                     budget_values=values if budget is not None else (),
                     # The downlink's receiver applies what it gets as it is: energy.
                     budget_worth=self.budget_worth if codec_key == "codec" else "energy",
-                    budget_small_fixed=self.budget_small_tensors == "small-codec")
+                    budget_small_fixed=self.budget_small_tensors == "small-codec",
+                    wire_header=self.wire_header)
             except SpecError as exc:
                 raise SpecError(f"run config {codec_key!r} with '{side}-budget': {exc}"
                                 ) from None

@@ -798,3 +798,20 @@ def test_a_price_picks_each_hulls_first_best_point(seed, log_price, policy, bala
         i = len(slopes) // 2
         assert allocator.at_price(0.5 * (slopes[i - 1] + slopes[i]))[name] == i
     assert Allocator({}, {}).at_price(lam) == {}
+
+
+def test_the_predicted_header_lowers_the_smallest_budget():
+    """MNIST-1D's transformer at 1000x (75 bytes) is below the floor with the JSON
+    header (84 bytes) and above it with the predicted one."""
+    from fedcomp.codecs.policy import WIRE_HEADERS, smallest_budget_bytes
+    from fedcomp.tasks.models import model_shapes
+
+    shapes = model_shapes("mnist1d")
+    floors = {form: smallest_budget_bytes(
+        CompressionPolicy("topk:ratio=0.01|ternary:mode=mean", budgeted=True,
+                          wire_header=form), shapes) for form in WIRE_HEADERS}
+    assert floors["predicted"] < floors["json"]
+    settings = {"preset": "fedcomp-budget", "uplink-budget": "1000x"}
+    with pytest.raises(SpecError, match="uplink-budget"):
+        RunConfig.from_mapping(settings).check_budgets(shapes)
+    RunConfig.from_mapping({**settings, "wire-header": "predicted"}).check_budgets(shapes)

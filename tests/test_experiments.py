@@ -44,8 +44,13 @@ def test_budget_benchmark_fits_every_payload_in_its_budget(tmp_path, capsys):
     assert bench.main(["--rounds", "2", "--task", "mnist1d", "--budget", "100x",
                        "--budget", "0.5bpp", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [(row["budget"], row["values"]) for row in rows] == [
-        ("100x", "auto"), ("100x", "ternary"), ("0.5bpp", "auto"), ("0.5bpp", "ternary")]
+    assert [(row["budget"], row["values"], row["wire_header"]) for row in rows] == [
+        (budget, values, form) for budget in ("100x", "0.5bpp")
+        for values in ("auto", "ternary") for form in ("json", "predicted")]
+    for json_row, predicted_row in zip(rows[::2], rows[1::2], strict=True):
+        # The predicted header is smaller; the budget spends the difference on values.
+        assert (predicted_row["framing_and_header_bytes"]
+                < json_row["framing_and_header_bytes"])
     for row in rows:
         assert row["parameters"] == 18_826 and row["tensors"] == 31
         assert 0.9 < row["spent"] <= row["max_spent"] <= 1.0  # never above the budget
@@ -62,7 +67,7 @@ def test_budget_benchmark_refuses_a_budget_a_run_would_refuse(tmp_path, capsys):
 
     out = tmp_path / "rows.json"
     assert bench.main(["--rounds", "2", "--task", "mnist1d", "--budget", "1000x",
-                       "--values", "ternary", "--json", str(out)]) == 0
+                       "--values", "ternary", "--wire-header", "json", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["refused"] and row["budget_bytes"] < row["smallest_budget_bytes"]
     assert "payload_bytes" not in row  # nothing was encoded

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -92,24 +93,28 @@ def test_hostile_budgeted_payloads_raise_only_payload_error():
     """A byte budget's payloads: members of each tensor's family, in several value
     codings, some tensors left out. Their mutations decode against the families or
     are rejected with a reason, never with another error; a decoded payload has every
-    expected tensor (zeros for those it leaves out), finite and of its shape."""
+    expected tensor (zeros for those it leaves out), finite and of its shape. Both
+    header forms: JSON against the layout dictionary, and predicted."""
     from fedcomp.codecs.budget import VALUE_CHOICES
     from fedcomp.codecs.policy import encode_within_budget
 
     rng = np.random.default_rng(7)
-    policy = CompressionPolicy("topk:ratio=0.01|ternary:mode=mean", budgeted=True,
-                               budget_values=VALUE_CHOICES)
-    expected = policy.expected(SHAPES)
     numel = sum(int(np.prod(s)) for s in SHAPES.values())
     reasons: collections.Counter = collections.Counter()
     left_out = 0
-    for budget in (4 * numel // 30, 4 * numel // 300, 4 * numel // 1000):
+    forms: collections.Counter = collections.Counter()
+    for budget, wire_header in itertools.product(
+            (4 * numel // 30, 4 * numel // 300, 4 * numel // 1000), ("json", "predicted")):
+        policy = CompressionPolicy("topk:ratio=0.01|ternary:mode=mean", budgeted=True,
+                                   budget_values=VALUE_CHOICES, wire_header=wire_header)
+        expected = policy.expected(SHAPES)
         tensors = {n: _row_scaled(rng.standard_normal(s).astype(np.float32))
                    for n, s in SHAPES.items()}
         update = encode_within_budget(tensors, policy, budget, rng=rng, meta={"round": 1})
         left_out += sum(c.count == 0 for c in update.choices.values())
+        forms[update.payload[5]] += 1
         for _ in range(200):
-            _, hostile = mutate(update.payload, rng)
+            _, hostile = mutate(update.payload, rng, expected)
             try:
                 decoded = unpack_payload(hostile, expected=expected, max_total_numel=10 * numel)
             except PayloadError as exc:
@@ -121,4 +126,5 @@ def test_hostile_budgeted_payloads_raise_only_payload_error():
                     assert value.shape == SHAPES[name] and value.dtype == np.float32
                     assert np.isfinite(value).all()
     assert left_out > 0  # the smallest budget leaves some tensor out
+    assert forms[4] == 3, forms  # every predicted policy's payload is predicted
     assert "invalid" not in reasons and len(set(reasons) - {"accepted"}) >= 4, reasons

@@ -28,7 +28,9 @@ def test_the_golden_set_covers_every_codec():
 def test_golden_payload_decodes_to_the_frozen_values(key):
     case = MANIFEST[key]
     policy = CompressionPolicy(codec=case["codec"], small_codec=case["small_codec"],
-                               min_numel=case["min_numel"])
+                               min_numel=case["min_numel"],
+                               budgeted=case.get("budgeted", False),
+                               budget_values=tuple(case.get("budget_values", ())))
     payload = (GOLDEN / f"{key}.bin").read_bytes()
     decoded = unpack_payload(payload, expected=policy.expected(case["shapes"]))
     assert decoded.meta == case["meta"]
@@ -44,3 +46,10 @@ def test_the_golden_set_freezes_the_rows_index_coding():
     header, _ = split((GOLDEN / "v1-topk-rows.bin").read_bytes())
     coding = {name: tree["m"].get("ix") for name, _, _, tree in header["tensors"]}
     assert coding["fc.weight"] == "rows"
+
+
+def test_the_predicted_golden_payloads_carry_the_predicted_header():
+    predicted = [key for key in MANIFEST if key.startswith("v1-predicted-")]
+    assert len(predicted) >= 4
+    for key in predicted:
+        assert (GOLDEN / f"{key}.bin").read_bytes()[5] == 4, key  # the flags byte

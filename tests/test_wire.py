@@ -143,7 +143,8 @@ def test_extension_bad_magic_version_flags_and_checksum_are_rejected():
     assert _reason(b"XXXX" + payload[4:]) == "magic"
     header, body = split(payload)
     assert _reason(assemble(header, body, version=2)) == "version"
-    assert _reason(assemble(header, body, flags=4)) == "version"
+    assert _reason(assemble(header, body, flags=8)) == "version"
+    assert _reason(assemble(header, body, flags=4 | 1)) == "version"
     corrupted = bytearray(payload)
     corrupted[len(payload) // 2] ^= 0x10
     assert _reason(bytes(corrupted)) == "checksum"

@@ -204,6 +204,25 @@ class TopKFamily:
             self._made[key] = Pipeline([first, *self.tails[values]])
         return self._made[key]
 
+    def member_spec(self, k: int, values: int = 0) -> str:
+        """The spec of :meth:`with_choice` ``(k, values)``, not kept: a receiver asks
+        for whatever count an untrusted payload names."""
+        if not 1 <= k <= self.numel or not 0 <= values < len(self.tails):
+            raise ValueError(f"no member ({k}, {values}) in a family of {self.numel} "
+                             f"entries and {len(self.tails)} value codings")
+        if (k, values) in self._made:
+            return self._made[(k, values)].spec
+        first = dataclasses.replace(self.template.stages[0], k=int(k))
+        return Pipeline([first, *self.tails[values]]).spec
+
+    def choice_of(self, spec: str) -> tuple[int, int] | None:
+        """``(k, values)`` of the member ``spec`` names, None if it names none."""
+        pipeline = self.match(spec)
+        if pipeline is None:
+            return None
+        tail = [stage.get_config() for stage in pipeline.stages[1:]]
+        return pipeline.stages[0].k, self._configs.index(tail)
+
     def match(self, spec: str) -> Pipeline | None:
         """The pipeline ``spec`` names if it belongs to the family, else None."""
         try:

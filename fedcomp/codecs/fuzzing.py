@@ -1,7 +1,9 @@
 """Hostile payload generation for fuzzing the decoder (tests and experiments).
 
 Byte-level mutations (bit flips, truncation, extension, splices) mostly test the
-framing and the checksum. Structure-aware mutations edit the JSON header or the
+framing and the checksum; one changes the stored header's bytes and re-frames them
+with a valid checksum, to reach the zstd decoder, the JSON parser and the predicted
+header's reader. Structure-aware mutations edit the JSON header or the
 body and then re-frame the payload with a *valid* checksum, as an attacker would,
 so that they reach the checks behind it: lying shapes and counts, wrong codecs, bad
 indices, NaN values, leaves that overrun the body.
@@ -18,17 +20,24 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from fedcomp.codecs.wire import MAGIC, known_layout_dictionary
+from fedcomp.codecs.compact_header import read_header
+from fedcomp.codecs.wire import MAGIC, compact_layout, known_layout_dictionary
 
 __all__ = ["MUTATIONS", "assemble", "mutate", "split"]
 
 _PREFIX = struct.Struct("<4sBBHIII")
 
 
-def split(payload: bytes) -> tuple[dict[str, Any], bytes]:
-    """Return (header object, body bytes) of a valid payload."""
+def split(payload: bytes, expected: Any = None) -> tuple[dict[str, Any], bytes]:
+    """Return (header object, body bytes) of a valid payload; a predicted header
+    needs the receiver's ``expected`` tensors."""
     _, _, flags, check, header_len, _, body_len = _PREFIX.unpack(payload[: _PREFIX.size])
     stored = payload[_PREFIX.size: _PREFIX.size + header_len]
+    body = payload[_PREFIX.size + header_len: _PREFIX.size + header_len + body_len]
+    if flags & 4:
+        if expected is None:
+            raise ValueError("a predicted header is read against the expected tensors")
+        return read_header(stored, compact_layout(expected)), bytes(body)
     if flags & 2:  # against a layout dictionary: one this process built (it packed it)
         dictionary = known_layout_dictionary(check)
         if dictionary is None:
@@ -36,15 +45,14 @@ def split(payload: bytes) -> tuple[dict[str, Any], bytes]:
         raw = zstandard.ZstdDecompressor(dict_data=dictionary.zstd).decompress(stored)
     else:
         raw = zstandard.ZstdDecompressor().decompress(stored) if flags & 1 else stored
-    body = payload[_PREFIX.size + header_len: _PREFIX.size + header_len + body_len]
     return json.loads(raw), bytes(body)
 
 
 def assemble(header: dict[str, Any] | bytes, body: bytes, *, version: int = 1,
-             flags: int = 0, raw_len: int | None = None) -> bytes:
+             flags: int = 0, raw_len: int | None = None, check: int = 0) -> bytes:
     """Frame a header (object or raw bytes) and a body with a valid CRC."""
     raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    out = bytearray(_PREFIX.pack(MAGIC, version, flags, 0, len(raw),
+    out = bytearray(_PREFIX.pack(MAGIC, version, flags, check, len(raw),
                                  len(raw) if raw_len is None else raw_len, len(body)))
     out += raw + body
     out += struct.pack("<I", zlib.crc32(out))
@@ -65,6 +73,27 @@ def _truncate(p: bytes, rng: np.random.Generator) -> bytes:
 
 def _extend(p: bytes, rng: np.random.Generator) -> bytes:
     return p + rng.bytes(int(rng.integers(1, 64)))
+
+
+def _header_bytes(p: bytes, rng: np.random.Generator) -> bytes:
+    """Bytes of the stored header (JSON, zstd or predicted) changed, dropped or added,
+    re-framed with its flags and layout check and a valid CRC: reaches the zstd
+    decoder, the JSON parser and the predicted header's reader."""
+    _, _, flags, check, header_len, raw_len, body_len = _PREFIX.unpack(p[: _PREFIX.size])
+    stored = bytearray(p[_PREFIX.size: _PREFIX.size + header_len])
+    body = p[_PREFIX.size + header_len: _PREFIX.size + header_len + body_len]
+    for _ in range(int(rng.integers(1, 4))):
+        at = int(rng.integers(len(stored) + 1))
+        action = int(rng.integers(3))
+        if action == 0 and at < len(stored):
+            stored[at] = int(rng.integers(256))
+        elif action == 1 and at < len(stored):
+            del stored[at]
+        else:
+            stored[at:at] = rng.bytes(int(rng.integers(1, 4)))
+    compressed = flags & 1
+    return assemble(bytes(stored), body, flags=flags, check=check,
+                    raw_len=raw_len if compressed else len(stored))
 
 
 def _splice(p: bytes, rng: np.random.Generator) -> bytes:
@@ -196,6 +225,7 @@ MUTATIONS: dict[str, Callable[[bytes, np.random.Generator], bytes]] = {
     "truncate": _truncate,
     "extend": _extend,
     "splice": _splice,
+    "header-bytes": _header_bytes,
     "header-value": _header_value,
     "header-delete": _header_delete,
     "leaf-count": _leaf_count,
@@ -207,8 +237,19 @@ MUTATIONS: dict[str, Callable[[bytes, np.random.Generator], bytes]] = {
 }
 
 
-def mutate(payload: bytes, rng: np.random.Generator) -> tuple[str, bytes]:
-    """Apply one random mutation; return its name and the hostile payload."""
+#: Mutations that work on the bytes as they are; the others edit the header object.
+_BYTE_LEVEL = {"flip", "truncate", "extend", "splice", "header-bytes"}
+
+
+def mutate(payload: bytes, rng: np.random.Generator, expected: Any = None
+           ) -> tuple[str, bytes]:
+    """Apply one random mutation; return its name and the hostile payload.
+
+    A payload with a predicted header needs the receiver's ``expected`` tensors for
+    the mutations that edit the header object: they edit its JSON form, which they
+    frame as a JSON header."""
     names = list(MUTATIONS)
     name = names[int(rng.integers(len(names)))]
+    if name not in _BYTE_LEVEL and payload[5] & 4:
+        payload = assemble(*split(payload, expected))
     return name, MUTATIONS[name](payload, rng)

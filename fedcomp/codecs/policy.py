@@ -41,9 +41,18 @@ from fedcomp.codecs.tensor import to_numpy
 from fedcomp.codecs.wire import EncodedTensor, ExpectedTensor, pack_payload
 from fedcomp.errors import SpecError
 
-__all__ = ["BudgetError", "CompressionPolicy", "EncodedUpdate", "encode_update",
-           "encode_within_budget", "encoder_fingerprint", "minimum_payload_bytes",
-           "parse_overrides", "smallest_budget_bytes"]
+__all__ = [
+    "WIRE_HEADERS",
+    "BudgetError",
+    "CompressionPolicy",
+    "EncodedUpdate",
+    "encode_update",
+    "encode_within_budget",
+    "encoder_fingerprint",
+    "minimum_payload_bytes",
+    "parse_overrides",
+    "smallest_budget_bytes",
+]
 
 #: Most per-tensor overrides one policy may hold.
 MAX_OVERRIDES = 64
@@ -75,6 +84,10 @@ def parse_overrides(text: str) -> tuple[tuple[str, str], ...]:
     if len(pairs) > MAX_OVERRIDES:
         raise SpecError(f"{len(pairs)} codec overrides; at most {MAX_OVERRIDES}")
     return tuple(pairs)
+
+
+#: How a payload's header may travel (see :class:`CompressionPolicy`).
+WIRE_HEADERS = ("json", "predicted")
 
 
 @dataclass(frozen=True)
@@ -114,6 +127,12 @@ class CompressionPolicy:
         a small share of a model's entries but move every coordinate they touch; a
         model with many of them (a transformer) may learn only when every update
         carries them. Unused without a budget.
+    wire_header
+        How a payload's header travels (one of :data:`WIRE_HEADERS`): ``"json"``,
+        JSON compressed against the layout dictionary (:mod:`fedcomp.codecs.wire`);
+        ``"predicted"``, also tries the predicted header (a few bytes a tensor,
+        :mod:`fedcomp.codecs.compact_header`) and sends the smaller. A budget spends
+        the bytes it saves on values.
     """
 
     codec: str = "none"
@@ -124,6 +143,7 @@ class CompressionPolicy:
     budget_values: tuple[str, ...] = ()
     budget_worth: str = "energy"
     budget_small_fixed: bool = False
+    wire_header: str = "json"
     _pipelines: tuple[Pipeline, Pipeline] = field(init=False, repr=False, compare=False)
     _override_pipelines: tuple[tuple[str, Pipeline], ...] = field(
         init=False, repr=False, compare=False)
@@ -153,6 +173,9 @@ class CompressionPolicy:
         if self.budgeted:  # names a codec without a Top-K first, or a bad value coding
             TopKFamily(self._pipelines[0], 1, self.budget_values)
         worth_weights(self.budget_worth, {})  # a bad measure is named before round 1
+        if self.wire_header not in WIRE_HEADERS:
+            raise SpecError(f"wire header must be one of {', '.join(WIRE_HEADERS)}, got "
+                            f"{self.wire_header!r}")
 
     @property
     def description(self) -> str:
@@ -265,8 +288,10 @@ def encode_update(
     left_out = []
     decoded: dict[str, Any] = {}
     numel = 0
+    shapes: dict[str, tuple[int, ...]] = {}
     for name, value in tensors.items():
         array, _ = to_numpy(value)
+        shapes[name] = array.shape
         pipeline = policy.pipeline_for(
             array.shape if selection is None else selection[name], name)
         family = policy.family_for(array.shape, name)
@@ -290,8 +315,11 @@ def encode_update(
         encoded.append(EncodedTensor(name, tuple(array.shape), pipeline, root, layout_spec,
                                      variants))
         numel += array.size
+    predict_from = None
+    if layout_dictionary and policy.wire_header == "predicted":
+        predict_from = policy.expected(shapes, selection=selection)
     payload = pack_payload(encoded, meta, use_layout_dictionary=layout_dictionary,
-                           left_out=left_out)
+                           left_out=left_out, predict_from=predict_from)
     return EncodedUpdate(payload, decoded, time.perf_counter() - start, numel)
 
 

@@ -6,8 +6,8 @@ Layout (all integers little-endian)::
     0       4     magic  b"FCMP"
     4       1     version (1)
     5       1     flags  (bit 0: header is zstd-compressed; bit 1: against the
-                  layout dictionary, see below)
-    6       2     layout check (bit 1 set) or reserved, must be 0
+                  layout dictionary; bit 2: the predicted header, alone; see below)
+    6       2     layout check (bit 1 or 2 set) or reserved, must be 0
     8       4     header_len   bytes of the header as stored
     12      4     header_raw   bytes of the header as JSON (== header_len if not compressed)
     16      4     body_len
@@ -38,6 +38,15 @@ receiver builds it from what it expects; its 16-bit checksum travels in the pref
 and a receiver that expects another layout (another model or codec) rejects the
 payload with reason ``codec`` instead of reading a garbled header.
 
+**The predicted header.** With the layout known, most of what is left can be
+predicted too: the receiver encodes the reference input with the pipeline a tensor
+names and gets almost the same tree. The predicted header
+(:mod:`fedcomp.codecs.compact_header`, flag bit 2, same layout check) carries only
+each tensor's position, its budget family member and the tree's fields that differ
+from the prediction: 3-10 bytes a tensor instead of 25-30. It decodes to the same
+header object, checked as the JSON one is. :func:`pack_payload` tries it when given
+the receiver's expected tensors and sends whichever header is smallest.
+
 Decoding (:func:`unpack_payload`) treats the bytes as hostile: sizes are checked
 before anything is allocated, the total must match to the byte, the checksum must
 hold, JSON is parsed with duplicate keys, NaN and Infinity refused, and the tree is
@@ -47,6 +56,8 @@ problem raises :class:`~fedcomp.errors.PayloadError` and nothing else.
 
 from __future__ import annotations
 
+import collections
+import functools
 import io
 import json
 import math
@@ -61,6 +72,7 @@ import numpy as np
 import zstandard
 
 from fedcomp.codecs.base import MAX_NDIM, Encoded
+from fedcomp.codecs.compact_header import CompactLayout, Unpredictable, read_header, write_header
 from fedcomp.codecs.lossless import LEAF_DTYPES
 from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.spec import MAX_STAGES
@@ -84,7 +96,8 @@ _PREFIX = struct.Struct("<4sBBHIII")
 _CRC = struct.Struct("<I")
 _FLAG_ZSTD_HEADER = 1
 _FLAG_LAYOUT_DICTIONARY = 2
-_KNOWN_FLAGS = _FLAG_ZSTD_HEADER | _FLAG_LAYOUT_DICTIONARY
+_FLAG_PREDICTED_HEADER = 4
+_KNOWN_FLAGS = _FLAG_ZSTD_HEADER | _FLAG_LAYOUT_DICTIONARY | _FLAG_PREDICTED_HEADER
 #: Framing bytes around header and body.
 OVERHEAD_BYTES = _PREFIX.size + _CRC.size
 
@@ -166,8 +179,8 @@ def _tree_to_json(node: Encoded | np.ndarray, leaves: list[np.ndarray]) -> Any:
     }
 
 
-def _header_bytes(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None,
-                  leaves: list[np.ndarray]) -> bytes:
+def _header_object(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None,
+                   leaves: list[np.ndarray]) -> dict[str, Any]:
     specs: list[str] = []
     entries = []
     for tensor in tensors:
@@ -176,9 +189,16 @@ def _header_bytes(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | No
             specs.append(spec)
         entries.append([tensor.name, list(tensor.shape), specs.index(spec),
                         _tree_to_json(tensor.root, leaves)])
-    header_obj = {"v": FORMAT_VERSION, "meta": dict(meta or {}), "specs": specs,
-                  "tensors": entries}
+    return {"v": FORMAT_VERSION, "meta": dict(meta or {}), "specs": specs, "tensors": entries}
+
+
+def _json_bytes(header_obj: Mapping[str, Any]) -> bytes:
     return json.dumps(header_obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _header_bytes(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None,
+                  leaves: list[np.ndarray]) -> bytes:
+    return _json_bytes(_header_object(tensors, meta, leaves))
 
 
 @dataclass(frozen=True)
@@ -188,6 +208,9 @@ class LayoutDictionary:
     zstd: zstandard.ZstdCompressionDict
     check: int
     nbytes: int
+    #: The strings of the reference trees (codec ids, meta keys, part names, dtypes,
+    #: string meta values), then :data:`COMMON_STRINGS`: the predicted header's table.
+    strings: tuple[str, ...] = ()
     _compressor: list[zstandard.ZstdCompressor] = field(
         default_factory=list, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
@@ -218,6 +241,7 @@ def _layout_key(items: Any) -> Layout:
                         for name, shape, spec, variants in items))
 
 
+@functools.lru_cache(maxsize=64)
 def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
     """The fixed input a layout's dictionary header is encoded from.
 
@@ -230,7 +254,9 @@ def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
     """
     n = math.prod(shape)
     u = (np.arange(n, dtype=np.int64) * 2654435761) % (1 << 24)
-    return ((u + (1 << 24)) / float(1 << 25)).astype(np.float32).reshape(shape)
+    out = ((u + (1 << 24)) / float(1 << 25)).astype(np.float32).reshape(shape)
+    out.flags.writeable = False  # cached: shared by every encode of this shape
+    return out
 
 
 #: Dictionaries built so far, by layout (a few per run: uplink, downlink, full model).
@@ -254,14 +280,42 @@ def _build_layout_dictionary(layout: Layout) -> LayoutDictionary:
     template's in their counts, index coding and value codec's tree: with those
     structures in the dictionary, a sent tensor's entry compresses to about two
     thirds, and one in a value coding other than the template's to half."""
-    raw = _reference_header([(name, shape, spec) for name, shape, spec, _ in layout])
+    headers = [_reference_header([(name, shape, spec) for name, shape, spec, _ in layout])]
     rounds = max((len(variants) for *_, variants in layout), default=0)
     for j in range(rounds):
-        raw += _reference_header([(name, shape, variants[j]) for name, shape, _, variants
-                                  in layout if j < len(variants)])
+        headers.append(_reference_header([(name, shape, variants[j]) for name, shape, _,
+                                          variants in layout if j < len(variants)]))
+    raw = b"".join(headers)
+    strings: dict[str, None] = {}
+    for header in headers:
+        for entry in json.loads(header)["tensors"]:
+            _collect_strings(entry[3], strings)
+    strings.update(dict.fromkeys(COMMON_STRINGS))
     return LayoutDictionary(
         zstandard.ZstdCompressionDict(raw, dict_type=zstandard.DICT_TYPE_RAWCONTENT),
-        zlib.crc32(raw) & 0xFFFF, len(raw))
+        zlib.crc32(raw) & 0xFFFF, len(raw), tuple(strings))
+
+
+#: Strings the predicted header's table holds after the layout's own: the payload
+#: meta keys and values this library sends and every index coding's names. Part of
+#: the format: a change here changes which payloads decode.
+COMMON_STRINGS = ("round", "kind", "from-round", "delta", "full", "catchup",
+                  "raw", "bitmap", "rice", "rows", "ix", "rk", "ix_raw", "ix_bitmap",
+                  "ix_unary", "ix_low", "dense")
+
+
+def _collect_strings(tree: Any, out: dict[str, None]) -> None:
+    if isinstance(tree, list):
+        out[tree[0]] = None
+        return
+    out[tree["c"]] = None
+    for key, value in tree["m"].items():
+        out[key] = None
+        if isinstance(value, str):
+            out[value] = None
+    for name, part in tree["p"].items():
+        out[name] = None
+        _collect_strings(part, out)
 
 
 def layout_dictionary(layout: Mapping[str, ExpectedTensor] | Sequence[EncodedTensor],
@@ -294,9 +348,74 @@ def known_layout_dictionary(check: int) -> LayoutDictionary | None:
     return next((d for d in _BUILT.values() if d.check == check), None)
 
 
+#: Predicted trees by (shape, spec): a budget's counts change every update, and a
+#: round's payloads share most of them; bounded, as hostile payloads may name any.
+_PREDICTED: collections.OrderedDict[tuple[tuple[int, ...], str], Any] = (
+    collections.OrderedDict())
+_MAX_PREDICTED = 2048
+_PREDICTED_LOCK = threading.Lock()
+
+
+def predicted_tree(shape: tuple[int, ...], spec: str) -> Any:
+    """The JSON-form tree of the reference input of ``shape`` encoded with ``spec``:
+    what the predicted header (:mod:`fedcomp.codecs.compact_header`) codes a
+    tensor's tree against. Callers must not change it (it is cached)."""
+    key = (tuple(shape), spec)
+    with _PREDICTED_LOCK:
+        if key in _PREDICTED:
+            _PREDICTED.move_to_end(key)
+            return _PREDICTED[key]
+    root = Pipeline.parse(spec).encode(_reference_input(key[0]), rng=np.random.default_rng(0))
+    tree = _tree_to_json(root, [])
+    with _PREDICTED_LOCK:
+        _PREDICTED[key] = tree
+        if len(_PREDICTED) > _MAX_PREDICTED:
+            _PREDICTED.popitem(last=False)
+    return tree
+
+
+def _member_of(tensor: ExpectedTensor) -> Any:
+    own, family = tensor.pipeline.spec, tensor.family
+
+    def member(code: int) -> str | None:
+        if code == 0:
+            return own
+        if family is None:
+            return None
+        k, values = divmod(code - 1, len(family.tails))
+        return family.member_spec(k + 1, values) if k < family.numel else None
+    return member
+
+
+def _code_of(tensor: ExpectedTensor) -> Any:
+    own, family = tensor.pipeline.spec, tensor.family
+
+    def code(spec: str) -> int | None:
+        if spec == own:
+            return 0
+        choice = family.choice_of(spec) if family is not None else None
+        if choice is None:
+            return None
+        return 1 + (choice[0] - 1) * len(family.tails) + choice[1]
+    return code
+
+
+def compact_layout(expected: Mapping[str, ExpectedTensor]) -> CompactLayout:
+    """What the predicted header of a payload for ``expected`` is written against."""
+    dictionary = layout_dictionary(expected)
+    return CompactLayout(
+        names=tuple(sorted(expected)),
+        shapes={name: tuple(t.shape) for name, t in expected.items()},
+        members={name: _member_of(t) for name, t in expected.items()},
+        member_codes={name: _code_of(t) for name, t in expected.items()},
+        predict=predicted_tree, strings=dictionary.strings, max_meta_items=MAX_META_ITEMS,
+        max_list=MAX_NDIM, max_parts=MAX_PARTS, max_depth=MAX_STAGES + 1)
+
+
 def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | None = None,
                  *, use_layout_dictionary: bool = False,
                  left_out: Sequence[tuple[str, tuple[int, ...], str, tuple[str, ...]]] = (),
+                 predict_from: Mapping[str, ExpectedTensor] | None = None,
                  ) -> bytes:
     """Serialize encoded tensors (and small ``meta`` values) into one payload.
 
@@ -306,9 +425,13 @@ def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | Non
     ``left_out`` names the (name, shape, family template spec, variant specs) of
     the budgeted tensors the payload leaves out: they are part of the layout the
     receiver expects, so of its dictionary, though not of the payload.
+    ``predict_from``, the receiver's expected tensors, also tries the predicted
+    header (:mod:`fedcomp.codecs.compact_header`), which the receiver decodes with
+    the same ``expected``; it is sent when it is the smallest.
     """
     leaves: list[np.ndarray] = []
-    header_raw = _header_bytes(tensors, meta, leaves)
+    header_obj = _header_object(tensors, meta, leaves)
+    header_raw = _json_bytes(header_obj)
     if len(header_raw) > MAX_HEADER_RAW_BYTES:
         raise ValueError(f"payload header of {len(header_raw)} bytes is too large")
     header, flags, check = header_raw, 0, 0
@@ -321,6 +444,14 @@ def pack_payload(tensors: Sequence[EncodedTensor], meta: Mapping[str, Any] | Non
         if len(against) < len(header):
             header, check = against, dictionary.check
             flags = _FLAG_ZSTD_HEADER | _FLAG_LAYOUT_DICTIONARY
+    if predict_from is not None and (tensors or left_out):
+        try:
+            predicted = write_header(header_obj, compact_layout(predict_from))
+        except Unpredictable:
+            predicted = None
+        if predicted is not None and len(predicted) < len(header):
+            header = header_raw = predicted
+            flags, check = _FLAG_PREDICTED_HEADER, layout_dictionary(predict_from).check
     body_len = sum(leaf.nbytes for leaf in leaves)
     out = bytearray(_PREFIX.pack(MAGIC, FORMAT_VERSION, flags, check, len(header),
                                  len(header_raw), body_len))
@@ -519,8 +650,10 @@ def _unpack(
     if version != FORMAT_VERSION:
         raise _reject(f"unsupported payload version {version}", "version")
     with_dictionary = bool(flags & _FLAG_LAYOUT_DICTIONARY)
-    if (flags & ~_KNOWN_FLAGS or (reserved and not with_dictionary)
-            or (with_dictionary and not flags & _FLAG_ZSTD_HEADER)):
+    predicted = bool(flags & _FLAG_PREDICTED_HEADER)
+    if (flags & ~_KNOWN_FLAGS or (reserved and not (with_dictionary or predicted))
+            or (with_dictionary and not flags & _FLAG_ZSTD_HEADER)
+            or (predicted and flags != _FLAG_PREDICTED_HEADER)):
         raise _reject(f"unknown flags {flags:#x}/{reserved:#x}", "version")
     raw_cap = header_cap(expected)
     if header_len > min(MAX_HEADER_BYTES, raw_cap) or header_raw > raw_cap:
@@ -537,10 +670,11 @@ def _unpack(
         raise _reject("uncompressed header length mismatch", "size")
 
     dictionary = None
-    if with_dictionary:
+    if with_dictionary or predicted:
         if expected is None:
-            raise _reject("the payload's header is compressed against its layout "
-                          "dictionary; the receiver must pass the expected tensors", "codec")
+            how = ("predicted from" if predicted else "compressed against")
+            raise _reject(f"the payload's header is {how} its layout; the receiver must "
+                          f"pass the expected tensors", "codec")
         dictionary = layout_dictionary(expected)
         if reserved != dictionary.check:
             raise _reject(
@@ -550,8 +684,11 @@ def _unpack(
                 f"expects {_describe_layout(expected)}", "codec")
 
     start = _PREFIX.size
-    header = _read_header(bytes(data[start:start + header_len]), header_raw,
-                          bool(flags & _FLAG_ZSTD_HEADER), dictionary)
+    if predicted:
+        header = read_header(bytes(data[start:start + header_len]), compact_layout(expected))
+    else:
+        header = _read_header(bytes(data[start:start + header_len]), header_raw,
+                              bool(flags & _FLAG_ZSTD_HEADER), dictionary)
     meta = _check_meta(header["meta"], "payload")
     specs, entries = header["specs"], header["tensors"]
     if not isinstance(specs, list) or not all(isinstance(s, str) for s in specs):

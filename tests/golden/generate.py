@@ -7,7 +7,11 @@ the stored values (backwards compatibility, as numcodecs' frozen fixtures do).
 Re-running it only adds files that do not exist yet. Every case is written twice:
 ``v1-NAME`` with a plain zstd header and ``v1-layout-NAME`` with the header
 compressed against the layout dictionary (which the receiver rebuilds from the
-codecs, so a codec change that alters the reference header shows up here).
+codecs, so a codec change that alters the reference header shows up here). The
+``v1-predicted-NAME`` cases (added later, same format version) carry the predicted
+header (:mod:`fedcomp.codecs.compact_header`): byte budgets' members of each
+tensor's family, and fixed codecs, whose trees the receiver predicts by encoding
+its reference input, so a codec change that alters a prediction shows up here too.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fedcomp.codecs.policy import CompressionPolicy, encode_update
+from fedcomp.codecs.budget import VALUE_CHOICES
+from fedcomp.codecs.policy import CompressionPolicy, encode_update, encode_within_budget
 
 HERE = Path(__file__).parent
 SHAPES = {"conv.weight": [8, 1, 3, 3], "conv.bias": [8], "fc.weight": [10, 120]}
@@ -43,6 +48,14 @@ CASES = {
 #: Cases whose tensors get one scale per row (1 to 1000), so their supports crowd
 #: into a few rows.
 ROW_SCALED = {"topk-rows"}
+#: Predicted-header cases: (codec, small codec, budget in bytes or 0 for none, row
+#: scaled). Budgets take each tensor's count and value coding from VALUE_CHOICES.
+PREDICTED = {
+    "budget-600": ("topk:ratio=0.01|ternary:mode=mean", "none", 600, False),
+    "budget-150": ("topk:ratio=0.01|ternary:mode=mean", "none", 150, True),
+    "stc": ("topk:ratio=0.01|ternary:mode=mean", "none", 0, False),
+    "topk-rows": ("topk:ratio=0.1|ternary:mode=mean", "none", 0, True),
+}
 
 
 def main() -> None:
@@ -51,6 +64,8 @@ def main() -> None:
     for with_layout in (False, True):
         for index, (name, (codec, small)) in enumerate(CASES.items()):
             _write_case(manifest, index, name, codec, small, with_layout)
+    for index, (name, case) in enumerate(PREDICTED.items()):
+        _write_predicted_case(manifest, 100 + index, name, *case)
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
@@ -71,6 +86,30 @@ def _write_case(manifest: dict, index: int, name: str, codec: str, small: str,
     np.savez(HERE / f"{key}.npz", **update.decoded)
     manifest[key] = {"codec": codec, "small_codec": small, "min_numel": 64,
                      "shapes": SHAPES, "meta": {"round": index}}
+
+
+def _write_predicted_case(manifest: dict, index: int, name: str, codec: str, small: str,
+                          budget: int, row_scaled: bool) -> None:
+    key = f"v1-predicted-{name}"
+    if key in manifest:
+        return
+    rng = np.random.default_rng(1000 + index)
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    if row_scaled:
+        tensors = {n: (t * np.logspace(0, 3, t.shape[0], dtype=np.float32).reshape(
+            (-1,) + (1,) * (t.ndim - 1))) if t.ndim > 1 else t for n, t in tensors.items()}
+    values = list(VALUE_CHOICES) if budget else []
+    policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64,
+                               budgeted=bool(budget), budget_values=tuple(values),
+                               wire_header="predicted")
+    meta = {"round": index}
+    update = (encode_within_budget(tensors, policy, budget, rng=rng, meta=meta) if budget
+              else encode_update(tensors, policy, rng=rng, meta=meta))
+    (HERE / f"{key}.bin").write_bytes(update.payload)
+    np.savez(HERE / f"{key}.npz", **update.decoded)
+    manifest[key] = {"codec": codec, "small_codec": small, "min_numel": 64,
+                     "shapes": SHAPES, "meta": meta, "budgeted": bool(budget),
+                     "budget_values": values}
 
 
 if __name__ == "__main__":
