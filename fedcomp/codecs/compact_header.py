@@ -26,8 +26,11 @@ about 20, which the budget spends on values.
 
 Floats are never predicted: one is written whole wherever the tree holds it, so a
 prediction never depends on floating-point rounding. The integer fields follow from
-the reference input's Top-K support, which is the same on every machine (see
-:func:`fedcomp.codecs.wire._reference_input`).
+the reference input's Top-K support, which is the same on every machine up to 2**24
+entries a tensor (see :func:`fedcomp.codecs.wire._reference_input`). The header ends
+with a 16-bit check of the predictions it was written against, so a receiver whose
+predictions differ (another version of a codec, a tie in a larger tensor's Top-K)
+rejects the payload instead of reading other fields into it.
 
 Reading treats the bytes as hostile: every varint is at most 10 bytes, every count
 is bounded before anything is built, positions must increase and lie inside the
@@ -43,8 +46,10 @@ every field the prediction already gives).
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +63,7 @@ MAX_VARINT_BYTES = 10
 #: Longest string written out literally.
 MAX_STRING_BYTES = 256
 _FLOAT = struct.Struct("<d")
+_CHECK = struct.Struct("<H")
 
 #: Type tags of literal values (payload meta, literal trees).
 _NONE, _FALSE, _TRUE, _INT, _FLOAT_TAG, _STRING, _INT_LIST = range(7)
@@ -260,6 +266,10 @@ def _write_tree(writer: _Writer, tree: Any, predicted: Any) -> None:
         _write_field(writer, rc[rk], pc[pk])
 
 
+def _prediction_check(tree: Any, check: int) -> int:
+    return zlib.crc32(json.dumps(tree, separators=(",", ":")).encode(), check)
+
+
 def write_header(header: Mapping[str, Any], layout: CompactLayout) -> bytes:
     """The predicted form of a JSON-form header (``{"v", "meta", "specs", "tensors"}``).
 
@@ -276,6 +286,7 @@ def write_header(header: Mapping[str, Any], layout: CompactLayout) -> bytes:
         writer.string(key)
         writer.value(value)
     position = {name: i for i, name in enumerate(layout.names)}
+    check = 0
     writer.uint(len(header["tensors"]))
     for name, shape, spec_index, tree in header["tensors"]:
         if name not in position or tuple(shape) != tuple(layout.shapes[name]):
@@ -286,7 +297,10 @@ def write_header(header: Mapping[str, Any], layout: CompactLayout) -> bytes:
             raise Unpredictable(f"tensor {name!r}: {spec!r} is not a member of its layout")
         writer.uint(position[name])
         writer.uint(code)
-        _write_tree(writer, tree, layout.predict(tuple(shape), spec))
+        predicted = layout.predict(tuple(shape), spec)
+        check = _prediction_check(predicted, check)
+        _write_tree(writer, tree, predicted)
+    writer.out += _CHECK.pack(check & 0xFFFF)
     return bytes(writer.out)
 
 
@@ -437,6 +451,7 @@ def read_header(data: bytes, layout: CompactLayout) -> dict[str, Any]:
     specs: list[str] = []
     entries = []
     seen: set[int] = set()
+    check = 0
     for _ in range(reader.uint(len(layout.names), "tensors")):
         index = reader.uint(len(layout.names) - 1, "tensor position")
         if index in seen:
@@ -448,10 +463,20 @@ def read_header(data: bytes, layout: CompactLayout) -> dict[str, Any]:
         if spec is None:
             raise _reject(f"tensor {name!r}: member {code} is not in its family", "codec")
         shape = tuple(layout.shapes[name])
-        tree = _read_tree(reader, layout, layout.predict(shape, spec))
+        predicted = layout.predict(shape, spec)
+        check = _prediction_check(predicted, check)
+        tree = _read_tree(reader, layout, predicted)
         if spec not in specs:
             specs.append(spec)
         entries.append([name, list(shape), specs.index(spec), tree])
+    if len(reader.data) - reader.offset < _CHECK.size:
+        raise _reject("ends before its check", "truncated")
+    (sent,) = _CHECK.unpack_from(reader.data, reader.offset)
+    reader.offset += _CHECK.size
+    if sent != check & 0xFFFF:
+        raise _reject(f"the sender's predictions differ from this receiver's (check "
+                      f"{sent:#06x}, here {check & 0xFFFF:#06x}): its codecs encode the "
+                      f"reference input differently", "codec")
     if reader.offset != len(reader.data):
         raise _reject(f"{len(reader.data) - reader.offset} bytes follow the last tensor",
                       "size")

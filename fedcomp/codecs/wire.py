@@ -241,7 +241,7 @@ def _layout_key(items: Any) -> Layout:
                         for name, shape, spec, variants in items))
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
     """The fixed input a layout's dictionary header is encoded from.
 
@@ -251,6 +251,8 @@ def _reference_input(shape: tuple[int, ...]) -> np.ndarray:
     support. ``u = i * 2654435761 mod 2**24`` is a bijection on ``[0, 2**24)``
     (an odd multiplier), spread over the range like a low-discrepancy sequence, and
     ``(2**24 + u) / 2**25`` lies in ``[0.5, 1)``, where float32 represents it exactly.
+    The last few shapes' inputs are kept: the predicted header encodes them for every
+    payload (:func:`predicted_tree`), and a large tensor's takes milliseconds to build.
     """
     n = math.prod(shape)
     u = (np.arange(n, dtype=np.int64) * 2654435761) % (1 << 24)
