@@ -626,11 +626,14 @@ def test_the_server_reads_each_clients_choices_from_its_payload():
 
 # ---------------------------------------------------------------------------- downlink
 @pytest.mark.parametrize("mode", ["shared", "per-client"])
-def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode):
+@pytest.mark.parametrize("wire_header", ["json", "predicted"])
+def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode,
+                                                                           wire_header):
     from fedcomp.federated.downlink import Recipient, Replica, make_downlink, model_digest
 
     policy = CompressionPolicy("topk:ratio=0.01|quant:bits=4", "quant:bits=8", 1024,
-                               budgeted=True, budget_values=VALUE_CHOICES)
+                               budgeted=True, budget_values=VALUE_CHOICES,
+                               wire_header=wire_header)
     rng = np.random.default_rng(3)
     initial = _update(50)
     budget = parse_budget("300x").payload_bytes(NUMEL)
@@ -651,6 +654,8 @@ def test_a_budgeted_downlink_stays_within_it_and_replicas_match_the_server(mode)
         if message.kind != "full":
             compressed += 1
             assert all(len(p) <= budget for p in message.payloads)
+            # The flags byte: the predicted header wherever it was asked for.
+            assert all((p[5] == 4) == (wire_header == "predicted") for p in message.payloads)
             assert len(kept) == 1 and set(kept[0]) == set(SHAPES)
             decoded = unpack_payload(message.payloads[-1], expected=policy.expected(SHAPES))
             for name, (count, bits) in kept[0].items():

@@ -146,15 +146,18 @@ def test_a_train_message_names_the_run_config_in_full_or_by_digest():
         resolve_settings(short, kept=None, run_config={"codec": "no-such-codec"})
 
 
-def test_a_relative_worth_budget_weighs_the_update_against_the_clients_replica():
+@pytest.mark.parametrize("wire_header", ["json", "predicted"])
+def test_a_relative_worth_budget_weighs_the_update_against_the_clients_replica(wire_header):
     """``budget-worth = "relative"`` needs the model the delta starts from: the client
-    hands its replica to the budget, and the payload fits."""
+    hands its replica to the budget, and the payload fits, in either header form."""
     cfg = RunConfig.from_mapping({"local-steps": 2, "local-epochs": 0, "codec": "topk",
-                                  "uplink-budget": "200x", "budget-worth": "relative"})
+                                  "uplink-budget": "200x", "budget-worth": "relative",
+                                  "wire-header": wire_header})
     server, data = _setup()
     state = ClientState.fresh(cfg)
     result = run_client_round(cfg, state, server.message_for(None), data, server_round=1,
                               client_seed=0)
     assert len(result.payload) <= cfg.uplink_budget_bytes(server.shapes)
+    assert (result.payload[5] == 4) == (wire_header == "predicted")  # the flags byte
     decoded = unpack_payload(result.payload, expected=cfg.uplink_expected(server.shapes))
     assert any(np.any(value) for value in decoded.tensors.values())
