@@ -493,13 +493,18 @@ def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp
     """Means hide which seeds hold a factor: seed 0's FedAvg is fast, seed 1's slow."""
     sweep = Sweep(base={"num-server-rounds": 3}, grid={"seed": [0, 1, 2]},
                   methods=[{"name": "FedAvg", "codec": "none"},
-                           {"name": "sign", "codec": "sign"}])
+                           {"name": "sign", "codec": "sign"},
+                           # Its seed-1 run fails: that cell says so.
+                           {"name": "sign, fp16 biases", "codec": "sign",
+                            "small-codec": "fp16"}])
     curves = {("none", 0): [0.9, 0.9, 0.9], ("none", 1): [0.5, 0.6, 0.9],
               ("none", 2): [0.5, 0.6, 0.7],  # never reaches 0.8: its seed is n/a
               ("sign", 0): [0.5, 0.9, 0.9], ("sign", 1): [0.5, 0.9, 0.9],
               ("sign", 2): [0.5, 0.9, 0.9]}
 
     def runner(cfg: RunConfig, num_supernodes: int) -> dict:
+        if cfg.small_codec == "fp16" and cfg.seed == 1:
+            raise RuntimeError("this run fails")
         recorder = RunRecorder(Path(cfg.results_dir) / cfg.run_name, cfg.describe(),
                                model_bytes=1000, num_rounds=3, verbose=False)
         for rnd, acc in enumerate(curves[cfg.codec, cfg.seed], 1):
@@ -516,6 +521,7 @@ def test_paired_table_compares_each_seed_with_the_reference_run_of_that_seed(tmp
     # sign reaches 0.8 in round 2 (100 B up, 2,100 B in all) in every seed; FedAvg in
     # round 1 with seed 0 (1,000 / 2,000 B) and round 3 with seed 1 (3,000 / 6,000 B).
     assert rows["sign"] == ["10.0 / 1.0", "30.0 / 2.9", "n/a"]
+    assert rows["sign, fp16 biases"] == ["10.0 / 1.0", "not run", "n/a"]
     assert rows["FedAvg"] == ["1.0 / 1.0", "1.0 / 1.0", "n/a"]
     # Without the flag the report is as before.
     assert "Paired by seed" not in write_report(tmp_path, target=0.8)[0]

@@ -329,7 +329,8 @@ def format_paired_table(target: float, methods: list[MethodResult],
     lines = [
         f"Paired by seed, target {target:.4f}: each run's uplink x / total x against "
         f"{reference.method!r} with the same seed ('-': the run misses the target; "
-        "'n/a': no reference run of that seed reaches it).",
+        "'n/a': no reference run of that seed reaches it; 'not run': the method has no "
+        "run of that seed).",
         "",
         "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
         "|---|" + "---|" * len(seeds),
@@ -345,7 +346,8 @@ def format_paired_table(target: float, methods: list[MethodResult],
                 cells[seed_of(run)] = "-"
             else:
                 cells[seed_of(run)] = f"{ref_up / up:.1f} / {ref_total / total:.1f}"
-        lines.append(f"| {m.method} | " + " | ".join(cells.get(s, "") for s in seeds) + " |")
+        lines.append(f"| {m.method} | " + " | ".join(cells.get(s, "not run") for s in seeds)
+                     + " |")
     return "\n".join(lines)
 
 
