@@ -179,6 +179,13 @@ class _Writer:
         else:
             raise Unpredictable(f"value {value!r:.40} has no predicted-header form")
 
+    def meta(self, meta: Mapping[str, Any]) -> None:
+        """A meta object: a count, then (string key, tagged value) pairs."""
+        self.uint(len(meta))
+        for key, value in meta.items():
+            self.string(key)
+            self.value(value)
+
     def tree(self, tree: Any) -> None:
         """A literal tree."""
         if isinstance(tree, list):
@@ -188,10 +195,7 @@ class _Writer:
             return
         self.uint(_NODE)
         self.string(tree["c"])
-        self.uint(len(tree["m"]))
-        for key, value in tree["m"].items():
-            self.string(key)
-            self.value(value)
+        self.meta(tree["m"])
         self.uint(len(tree["p"]))
         for name, part in tree["p"].items():
             self.string(name)
@@ -280,11 +284,7 @@ def write_header(header: Mapping[str, Any], layout: CompactLayout) -> bytes:
         the JSON header).
     """
     writer = _Writer(layout.strings)
-    meta = header["meta"]
-    writer.uint(len(meta))
-    for key, value in meta.items():
-        writer.string(key)
-        writer.value(value)
+    writer.meta(header["meta"])
     position = {name: i for i, name in enumerate(layout.names)}
     check = 0
     writer.uint(len(header["tensors"]))
@@ -371,18 +371,23 @@ class _Reader:
             return self.string()
         return [self.sint() for _ in range(self.uint(max_list, "list length"))]
 
+    def meta(self, layout: CompactLayout, what: str) -> dict[str, Any]:
+        """A meta object: a count, then (string key, tagged value) pairs."""
+        meta: dict[str, Any] = {}
+        for _ in range(self.uint(layout.max_meta_items, what)):
+            key = self.string()
+            if key in meta:
+                raise _reject(f"duplicate meta key {key!r}")
+            meta[key] = self.value(layout.max_list)
+        return meta
+
     def tree(self, layout: CompactLayout, depth: int) -> Any:
         if depth > layout.max_depth:
             raise _reject("tree nested too deeply")
         if self.uint(_NODE, "tree tag") == _LEAF:
             return [self.string(), self.uint()]
         codec = self.string()
-        meta: dict[str, Any] = {}
-        for _ in range(self.uint(layout.max_meta_items, "meta items")):
-            key = self.string()
-            if key in meta:
-                raise _reject(f"duplicate meta key {key!r}")
-            meta[key] = self.value(layout.max_list)
+        meta = self.meta(layout, "meta items")
         parts: dict[str, Any] = {}
         for _ in range(self.uint(layout.max_parts, "parts")):
             name = self.string()
@@ -442,12 +447,7 @@ def read_header(data: bytes, layout: CompactLayout) -> dict[str, Any]:
         For every problem.
     """
     reader = _Reader(bytes(data), layout.strings)
-    meta: dict[str, Any] = {}
-    for _ in range(reader.uint(layout.max_meta_items, "payload meta items")):
-        key = reader.string()
-        if key in meta:
-            raise _reject(f"duplicate meta key {key!r}")
-        meta[key] = reader.value(layout.max_list)
+    meta = reader.meta(layout, "payload meta items")
     specs: list[str] = []
     entries = []
     seen: set[int] = set()
