@@ -265,6 +265,11 @@ def test_current_encoder_is_the_run_configs_fingerprint_and_empty_for_old_config
     assert current_encoder(config.replace(seed=7).describe()) == expected
     assert current_encoder(config.replace(codec="sign").describe()) != expected
     assert current_encoder({**config.to_mapping(), "codec": "no-such-codec"}) == ""
+    # The header form changes the payloads, so the fingerprint, computed after one of
+    # the same codecs in the other form (the fingerprints are cached by policy).
+    predicted = config.replace(wire_header="predicted")
+    assert current_encoder(predicted.describe()) == predicted.encoder_fingerprint(
+        model_shapes("digits")) != expected
 
 
 @pytest.mark.slow

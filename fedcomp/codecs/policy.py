@@ -191,6 +191,8 @@ class CompressionPolicy:
                 text += f" worth {self.budget_worth}"
             if self.budget_small_fixed:
                 text += f" small<{self.min_numel} fixed"
+        if self.wire_header != "json":  # a budget spends what the header saves
+            text += f" / {self.wire_header} header"
         return text
 
     @property
