@@ -21,8 +21,9 @@ writes, for each tensor, only
 
 A Top-K tensor whose tree matches the prediction costs 3-4 bytes instead of the 25-30
 that its JSON entry takes after zstd against the layout dictionary. On MNIST-1D's
-transformer at 400x (188 bytes a payload) the header drops from about 100 bytes to
-about 20, which the budget spends on values.
+transformer at 400x (188 bytes a payload) the header of 4 tensors takes about 100
+bytes, the predicted one of 8-9 tensors 40-60: the budget spends the difference on
+values (``experiments/bench_budget.py``).
 
 Floats are never predicted: one is written whole wherever the tree holds it, so a
 prediction never depends on floating-point rounding. The integer fields follow from
