@@ -194,26 +194,24 @@ class TopKFamily:
 
     def with_choice(self, k: int, values: int = 0) -> Pipeline:
         """The template keeping ``k`` entries coded with value coding ``values``."""
-        if not 1 <= k <= self.numel:
-            raise ValueError(f"k = {k} is not in [1, {self.numel}]")
-        if not 0 <= values < len(self.tails):
-            raise ValueError(f"value coding {values} is not in [0, {len(self.tails)})")
         key = (int(k), int(values))
         if key not in self._made:
-            first = dataclasses.replace(self.template.stages[0], k=int(k))
-            self._made[key] = Pipeline([first, *self.tails[values]])
+            self._made[key] = self._member(*key)
         return self._made[key]
 
     def member_spec(self, k: int, values: int = 0) -> str:
         """The spec of :meth:`with_choice` ``(k, values)``, not kept: a receiver asks
         for whatever count an untrusted payload names."""
-        if not 1 <= k <= self.numel or not 0 <= values < len(self.tails):
-            raise ValueError(f"no member ({k}, {values}) in a family of {self.numel} "
-                             f"entries and {len(self.tails)} value codings")
-        if (k, values) in self._made:
-            return self._made[(k, values)].spec
+        made = self._made.get((k, values))
+        return made.spec if made is not None else self._member(k, values).spec
+
+    def _member(self, k: int, values: int) -> Pipeline:
+        if not 1 <= k <= self.numel:
+            raise ValueError(f"k = {k} is not in [1, {self.numel}]")
+        if not 0 <= values < len(self.tails):
+            raise ValueError(f"value coding {values} is not in [0, {len(self.tails)})")
         first = dataclasses.replace(self.template.stages[0], k=int(k))
-        return Pipeline([first, *self.tails[values]]).spec
+        return Pipeline([first, *self.tails[values]])
 
     def choice_of(self, spec: str) -> tuple[int, int] | None:
         """``(k, values)`` of the member ``spec`` names, None if it names none."""

@@ -69,16 +69,22 @@ def main() -> None:
     manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
+def _tensors(rng: np.random.Generator, row_scaled: bool) -> dict[str, np.ndarray]:
+    """Normal values per tensor; row scaled: one scale per row, 1 to 1000."""
+    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    if row_scaled:
+        tensors = {n: (t * np.logspace(0, 3, t.shape[0], dtype=np.float32).reshape(
+            (-1,) + (1,) * (t.ndim - 1))) if t.ndim > 1 else t for n, t in tensors.items()}
+    return tensors
+
+
 def _write_case(manifest: dict, index: int, name: str, codec: str, small: str,
                 with_layout: bool) -> None:
     key = f"v1-layout-{name}" if with_layout else f"v1-{name}"
     if key in manifest:
         return
     rng = np.random.default_rng(1000 + index)
-    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-    if name in ROW_SCALED:
-        tensors = {n: (t * np.logspace(0, 3, t.shape[0], dtype=np.float32).reshape(
-            (-1,) + (1,) * (t.ndim - 1))) if t.ndim > 1 else t for n, t in tensors.items()}
+    tensors = _tensors(rng, name in ROW_SCALED)
     policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64)
     update = encode_update(tensors, policy, rng=rng, meta={"round": index},
                            layout_dictionary=with_layout)
@@ -94,10 +100,7 @@ def _write_predicted_case(manifest: dict, index: int, name: str, codec: str, sma
     if key in manifest:
         return
     rng = np.random.default_rng(1000 + index)
-    tensors = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-    if row_scaled:
-        tensors = {n: (t * np.logspace(0, 3, t.shape[0], dtype=np.float32).reshape(
-            (-1,) + (1,) * (t.ndim - 1))) if t.ndim > 1 else t for n, t in tensors.items()}
+    tensors = _tensors(rng, row_scaled)
     values = list(VALUE_CHOICES) if budget else []
     policy = CompressionPolicy(codec=codec, small_codec=small, min_numel=64,
                                budgeted=bool(budget), budget_values=tuple(values),
