@@ -55,15 +55,16 @@ DELTA = 1e-5
 
 #: The settings every run of a part shares.
 #: The downlink is the full model: the trade-off measured is the uplink's. The runs
-#: without client-level DP keep the norm bound they were recorded with (3x the median).
+#: without client-level DP keep the norm bound they were recorded with (3x the median),
+#: and every run the JSON header it was recorded with.
 BASES = {
     "sample": {"dataset": "digits", "partitioning": "iid", "num-server-rounds": 20,
                "local-epochs": 2, "lr": 0.05, "dp-clip-norm": 1.0, "dp-delta": DELTA,
-               "downlink-codec": "none", "norm-bound": 3.0},
+               "downlink-codec": "none", "norm-bound": 3.0, "wire-header": "json"},
     "client": {"dataset": "fashion-mnist", "partitioning": "iid", "num-server-rounds": 100,
                "local-epochs": 5, "lr": 0.05, "clients-per-round": 100,
                "dp-clip-norm": 0.5, "dp-delta": DELTA, "downlink-codec": "none",
-               "eval-every": 5, "checkpoint-every": 10},
+               "eval-every": 5, "checkpoint-every": 10, "wire-header": "json"},
 }
 CLIENTS = {"sample": 10, "client": 1000}
 EPSILONS = {"sample": [1.0, 4.0, 8.0], "client": [4.0, 8.0]}

@@ -56,11 +56,14 @@ DEFENCES = {
 }
 #: Per dataset: what differs from the run defaults (Fashion-MNIST: 50 local steps a
 #: round, so that a run takes minutes rather than an hour on two cores).
-#: The downlink is the full model: the defences measured are the uplink's.
+#: The downlink is the full model: the defences measured are the uplink's. The runs keep
+#: the JSON header they were recorded with.
 BASES = {
-    "digits": {"dataset": "digits", "num-server-rounds": 20, "downlink-codec": "none"},
+    "digits": {"dataset": "digits", "num-server-rounds": 20, "downlink-codec": "none",
+               "wire-header": "json"},
     "fashion-mnist": {"dataset": "fashion-mnist", "num-server-rounds": 20, "local-epochs": 0,
-                      "local-steps": 50, "eval-every": 2, "downlink-codec": "none"},
+                      "local-steps": 50, "eval-every": 2, "downlink-codec": "none",
+                      "wire-header": "json"},
 }
 
 

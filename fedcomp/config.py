@@ -64,7 +64,7 @@ _CHOICES = {
 #: its value *before* the change, so an old run's id still names what it ran (a run
 #: with the new default gets a new id).
 _DIGEST_BASELINE = {"norm-bound": 0.0, "norm-action": "reject", "weight-cap": 0.0,
-                    "downlink-codec": "none", "downlink-mode": "shared"}
+                    "downlink-codec": "none", "downlink-mode": "shared", "wire-header": "json"}
 #: Client-level DP applies neither bound (:meth:`RunConfig.influence_bounds`): they enter
 #: its run id at the values its runs were first recorded with, whatever the defaults.
 _CLIENT_DP_ID_BOUNDS = {"norm-bound": 3.0, "weight-cap": 3.0}
@@ -120,7 +120,7 @@ class RunConfig:
     budget_values: str = "auto"
     budget_worth: str = "energy"
     budget_small_tensors: str = "budgeted"
-    wire_header: str = "json"
+    wire_header: str = "predicted"
     downlink_history: int = 1000
     downlink_mode: str = "per-client"
     downlink_forget_after: int = 0

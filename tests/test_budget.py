@@ -818,5 +818,5 @@ def test_the_predicted_header_lowers_the_smallest_budget():
     assert floors["predicted"] < floors["json"]
     settings = {"preset": "fedcomp-budget", "uplink-budget": "1000x"}
     with pytest.raises(SpecError, match="uplink-budget"):
-        RunConfig.from_mapping(settings).check_budgets(shapes)
-    RunConfig.from_mapping({**settings, "wire-header": "predicted"}).check_budgets(shapes)
+        RunConfig.from_mapping({**settings, "wire-header": "json"}).check_budgets(shapes)
+    RunConfig.from_mapping(settings).check_budgets(shapes)  # the default: predicted

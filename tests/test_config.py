@@ -55,15 +55,17 @@ def test_integers_are_accepted_for_float_keys_and_the_digest_ignores_output_path
     import hashlib
     import json
     expected = hashlib.sha256(json.dumps({"seed": 1}).encode()).hexdigest()[:10]
-    # Defaults that changed later (the influence bounds, the compressed downlink) are
-    # compared with their old values: a run with the old behaviour keeps its old id,
-    # one with the new gets a new.
+    # Defaults that changed later (the influence bounds, the compressed downlink, the
+    # predicted header) are compared with their old values: a run with the old
+    # behaviour keeps its old id, one with the new gets a new.
     legacy = RunConfig(seed=1, results_dir="x", norm_bound=0.0, norm_action="reject",
-                       weight_cap=0.0, downlink_codec="none")
+                       weight_cap=0.0, downlink_codec="none", wire_header="json")
     assert legacy.digest() == expected
     assert RunConfig(seed=1).digest() != expected
+    assert legacy.replace(wire_header="predicted").digest() != expected
     assert RunConfig(seed=1, norm_bound=0.0, norm_action="reject", weight_cap=0.0,
-                     downlink_codec="none", downlink_mode="per-client").digest() == expected
+                     downlink_codec="none", downlink_mode="per-client",
+                     wire_header="json").digest() == expected
     assert RunConfig().resolved_run_name.startswith("digits-")
 
 

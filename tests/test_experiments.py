@@ -72,8 +72,8 @@ def test_budget_benchmark_refuses_a_budget_a_run_would_refuse(tmp_path, capsys):
     assert row["refused"] and row["budget_bytes"] < row["smallest_budget_bytes"]
     assert "payload_bytes" not in row  # nothing was encoded
     with pytest.raises(SpecError, match=f"use at most '{row['largest_factor']}x'"):
-        RunConfig.from_mapping({"preset": "fedcomp-budget", "uplink-budget": "1000x"}
-                               ).check_budgets(model_shapes("mnist1d"))
+        RunConfig.from_mapping({"preset": "fedcomp-budget", "uplink-budget": "1000x",
+                                "wire-header": "json"}).check_budgets(model_shapes("mnist1d"))
     assert f"({row['largest_factor']}x)" in capsys.readouterr().out
 
 

@@ -259,7 +259,7 @@ def test_current_encoder_is_the_run_configs_fingerprint_and_empty_for_old_config
     from fedcomp.tasks.models import model_shapes
 
     config = RunConfig(dataset="digits", codec="topk:ratio=0.1|ternary:mode=mean",
-                       downlink_codec="topk:ratio=0.1|quant:bits=4")
+                       downlink_codec="topk:ratio=0.1|quant:bits=4", wire_header="json")
     expected = config.encoder_fingerprint(model_shapes("digits"))
     assert current_encoder(config.describe()) == expected  # the *-config keys are ignored
     assert current_encoder(config.replace(seed=7).describe()) == expected
