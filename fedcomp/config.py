@@ -351,6 +351,15 @@ class RunConfig:
                             f"known keys: {', '.join(sorted(by_key))}")
         return cls(**{by_key[k]: v for k, v in values.items()})
 
+    @classmethod
+    def from_recorded(cls, values: Mapping[str, Any]) -> RunConfig:
+        """The config of a recorded run (``summary.json``'s ``config``, every key it
+        had): a key the record lacks is a setting added after the run, which ran
+        with that setting's behaviour from before it existed or changed (the run
+        id's baseline), not with today's default.
+        """
+        return cls.from_mapping({**_DIGEST_BASELINE, **values})
+
     def to_mapping(self) -> dict[str, Any]:
         """The config as kebab-case keys (what ``--run-config`` takes)."""
         return {config_key(f.name): getattr(self, f.name) for f in dataclasses.fields(self)

@@ -793,7 +793,7 @@ def current_encoder(config: Mapping[str, Any]) -> str:
     a run counts as encoded by other code.
     """
     try:
-        parsed = RunConfig.from_mapping(
+        parsed = RunConfig.from_recorded(
             {k: v for k, v in config.items() if not k.endswith("-config")})
     except (ValueError, TypeError):  # SpecError is a ValueError
         return ""
