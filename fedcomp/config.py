@@ -24,6 +24,7 @@ from fedcomp.codecs.policy import (
     WIRE_HEADERS,
     CompressionPolicy,
     encoder_fingerprint,
+    every_tensor_payload_bytes,
     parse_overrides,
     smallest_budget_bytes,
 )
@@ -426,6 +427,52 @@ class RunConfig:
                     f"of one of {len(shapes) - len(fixed)} budgeted tensors {rest}); use "
                     f"at most '{int(4 * numel / need)}x' or at least "
                     f"'{8 * need / numel:.4f}bpp'")
+
+    def budget_notices(self, shapes: Mapping[str, Any]) -> tuple[str, ...]:
+        """What a budget that the run accepts will not do for this model: send every
+        tensor in each payload.
+
+        Below that size each payload leaves some tensors out, and they move only when
+        their error-feedback residuals outgrow the others'. A large model has room to
+        spare (Fashion-MNIST's CNN fits every tensor in a ``1000x`` payload); a small
+        one with many biases and norms may not, and learns slowly so (the MNIST-1D
+        transformer at ``400x``, experiments/RESULTS.md). Call after
+        :meth:`check_budgets`.
+        """
+        notices = []
+        numel = sum(math.prod(shape) for shape in shapes.values())
+        for key, text, policy in (("uplink-budget", self.uplink_budget, self.uplink_policy),
+                                  ("downlink-budget", self.downlink_budget,
+                                   self.downlink_policy)):
+            budget = parse_budget(text)
+            if budget is None:
+                continue
+            every = every_tensor_payload_bytes(policy, shapes)
+            if budget.payload_bytes(numel) >= every:
+                continue
+            notice = (f"run config {key!r} {budget.describe(numel)} cannot send every "
+                      f"tensor in a payload: one Top-K entry of each of the model's "
+                      f"{len(shapes)} tensors takes {every:,} bytes. Each payload leaves "
+                      f"some out until their error-feedback residuals outweigh the "
+                      f"others', and a model with many small tensors (biases, norms) "
+                      f"learns slowly so. A budget of at most '{int(4 * numel / every)}x' "
+                      f"has room for one entry of every tensor")
+            small = [name for name, shape in shapes.items()
+                     if policy.family_for(tuple(shape), name) is not None
+                     and math.prod(shape) < self.min_numel]
+            if small and not policy.budget_small_fixed:
+                floors = []
+                for codec in dict.fromkeys((self.small_codec, "ternary:mode=mean")):
+                    fixed = dataclasses.replace(policy, small_codec=codec,
+                                                budget_small_fixed=True)
+                    need = smallest_budget_bytes(fixed, shapes)
+                    floors.append(f"at most '{int(4 * numel / need)}x' in small-codec "
+                                  f"{codec!r}")
+                notice += (f"; budget-small-tensors = 'small-codec' sends the {len(small)} "
+                           f"tensors under min-numel whole in every payload, "
+                           f"{' or '.join(floors)}")
+            notices.append(notice)
+        return tuple(notices)
 
     @property
     def fault_plan(self) -> FaultPlan:

@@ -86,7 +86,8 @@ def run_server(grid: Grid, cfg: RunConfig, *, verbose: bool = True,
               f"{cfg.codec!r}, downlink {cfg.downlink_codec!r}, feedback {cfg.feedback}; "
               f"results in {recorder.out_dir}"
               + (f"; resuming after round {done}" if done else ""), flush=True)
-        for notice in cfg.notices:
+        shapes = {name: value.shape for name, value in initial.items()}
+        for notice in (*cfg.notices, *cfg.budget_notices(shapes)):
             print(f"fedcomp: note: {notice}", flush=True)
 
     def evaluate_fn(flower_round: int, _arrays: Any) -> MetricRecord:

@@ -27,6 +27,7 @@ from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.policy import (
     BudgetError,
     CompressionPolicy,
+    _encode_choices,
     encode_update,
     encode_within_budget,
     minimum_payload_bytes,
@@ -820,3 +821,51 @@ def test_the_predicted_header_lowers_the_smallest_budget():
     with pytest.raises(SpecError, match="uplink-budget"):
         RunConfig.from_mapping({**settings, "wire-header": "json"}).check_budgets(shapes)
     RunConfig.from_mapping(settings).check_budgets(shapes)  # the default: predicted
+
+
+def test_a_budget_too_small_for_every_tensor_says_so_and_what_would_fit():
+    """MNIST-1D's transformer at 400x cannot carry one entry of each of its 31 tensors:
+    the run is told so, with the largest factors that can; Fashion-MNIST's CNN at the
+    goal's 1000x / 60x can, and hears nothing."""
+    import re
+
+    from fedcomp.codecs.policy import every_tensor_payload_bytes
+    from fedcomp.tasks.models import model_shapes
+
+    shapes = model_shapes("mnist1d")
+    numel = sum(math.prod(s) for s in shapes.values())
+    settings = {"preset": "fedcomp-budget", "uplink-budget": "400x", "downlink-budget": "40x"}
+    config = RunConfig.from_mapping(settings)
+    config.check_budgets(shapes)  # accepted: one tensor fits
+    (notice,) = config.budget_notices(shapes)  # the 40x downlink fits every tensor
+    every = every_tensor_payload_bytes(config.uplink_policy, shapes)
+    assert notice.startswith("run config 'uplink-budget' '400x'")
+    assert f"31 tensors takes {every:,} bytes" in notice
+    # The size is a payload's that sends every tensor, one Top-K entry each.
+    policy = config.uplink_policy
+    choices = {n: Choice(1, policy.family_for(tuple(s), n).cheapest())
+               for n, s in shapes.items()}
+    rng = np.random.default_rng(0)
+    update = _encode_choices({n: rng.standard_normal(s).astype(np.float32)
+                              for n, s in shapes.items()}, policy, choices,
+                             rng=rng, meta={"round": 0})
+    assert update.nbytes == every
+    decoded = unpack_payload(update.payload, expected=policy.expected(shapes))
+    assert sorted(decoded.pipelines) == sorted(shapes)
+    assert all(np.count_nonzero(t) == 1 for t in decoded.tensors.values())
+    factors = [int(x) for x in re.findall(r"at most '(\d+)x'", notice)]
+    assert len(factors) == 3  # every tensor; the small ones whole in fp32, in sign bits
+    # At the factor it names there is room for every tensor, and no notice.
+    assert RunConfig.from_mapping({**settings, "uplink-budget": f"{factors[0]}x"}
+                                  ).budget_notices(shapes) == ()
+    assert 4 * numel / factors[0] >= every > 4 * numel / (factors[0] + 2)
+    # The small tensors whole in sign bits: accepted at the factor named, refused above.
+    fixed = {**settings, "budget-small-tensors": "small-codec",
+             "small-codec": "ternary:mode=mean"}
+    RunConfig.from_mapping({**fixed, "uplink-budget": f"{factors[2]}x"}).check_budgets(shapes)
+    with pytest.raises(SpecError, match="uplink-budget"):
+        RunConfig.from_mapping({**fixed, "uplink-budget": f"{factors[2] + 2}x"}
+                               ).check_budgets(shapes)
+    fashion = RunConfig.from_mapping({**settings, "uplink-budget": "1000x",
+                                      "downlink-budget": "60x"})
+    assert fashion.budget_notices(model_shapes("fashion-mnist")) == ()

@@ -49,6 +49,7 @@ __all__ = [
     "encode_update",
     "encode_within_budget",
     "encoder_fingerprint",
+    "every_tensor_payload_bytes",
     "minimum_payload_bytes",
     "parse_overrides",
     "smallest_budget_bytes",
@@ -436,6 +437,26 @@ def minimum_payload_bytes(policy: CompressionPolicy,
     if not sizes:
         return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
     return min(sizes)
+
+
+def every_tensor_payload_bytes(policy: CompressionPolicy,
+                               shapes: Mapping[str, Sequence[int]]) -> int:
+    """The payload that sends every tensor of a model of ``shapes`` in one budgeted
+    policy's payload: one Top-K entry of each budgeted tensor in its cheapest value
+    coding, and the tensors in fixed pipelines (coded from the fixed pseudo-random
+    update of :func:`minimum_payload_bytes`).
+
+    A budget below it leaves some tensor out of every payload, so those tensors move
+    only as often as their error-feedback residuals win a payload's bytes.
+    """
+    rng = np.random.default_rng(0)
+    update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
+              for name, shape in shapes.items()}
+    choices = {name: Choice(1, family.cheapest()) for name, shape in shapes.items()
+               if (family := policy.family_for(tuple(shape), name)) is not None}
+    if not choices:
+        return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
+    return _encode_choices(update, policy, choices, rng=rng, meta={"round": 0}).nbytes
 
 
 def smallest_budget_bytes(policy: CompressionPolicy,
