@@ -419,6 +419,13 @@ def encode_within_budget(
                           update.numel, choices=choices, kept=kept)
 
 
+def _floor_update(shapes: Mapping[str, Sequence[int]],
+                  rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The fixed pseudo-random update the smallest payloads are coded from."""
+    return {name: rng.standard_normal(tuple(shape)).astype(np.float32)
+            for name, shape in shapes.items()}
+
+
 def minimum_payload_bytes(policy: CompressionPolicy,
                           shapes: Mapping[str, Sequence[int]]) -> int:
     """The smallest useful payload a budgeted policy can send for a model of
@@ -427,8 +434,7 @@ def minimum_payload_bytes(policy: CompressionPolicy,
     out (coded from a fixed pseudo-random update; real updates may differ by a few
     bytes)."""
     rng = np.random.default_rng(0)
-    update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
-              for name, shape in shapes.items()}
+    update = _floor_update(shapes, rng)
     families = {name: family for name, shape in shapes.items()
                 if (family := policy.family_for(tuple(shape), name)) is not None}
     sizes = [_encode_choices(update, policy, {
@@ -450,8 +456,7 @@ def every_tensor_payload_bytes(policy: CompressionPolicy,
     only as often as their error-feedback residuals win a payload's bytes.
     """
     rng = np.random.default_rng(0)
-    update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
-              for name, shape in shapes.items()}
+    update = _floor_update(shapes, rng)
     choices = {name: Choice(1, family.cheapest()) for name, shape in shapes.items()
                if (family := policy.family_for(tuple(shape), name)) is not None}
     if not choices:
