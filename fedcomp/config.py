@@ -14,11 +14,11 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fedcomp.codecs.budget import VALUE_CHOICES, WORTH_MEASURES, parse_budget
+from fedcomp.codecs.budget import VALUE_CHOICES, WORTH_MEASURES, ByteBudget, parse_budget
 from fedcomp.codecs.pipeline import Pipeline
 from fedcomp.codecs.policy import (
     WIRE_HEADERS,
@@ -392,6 +392,15 @@ class RunConfig:
         """The same for one downlink payload under ``downlink-budget``."""
         return _budget_bytes(self.downlink_budget, shapes)
 
+    def _budgets(self) -> Iterator[tuple[str, ByteBudget, CompressionPolicy]]:
+        """(run-config key, budget, policy) of each direction that has a budget."""
+        for key, text, policy in (("uplink-budget", self.uplink_budget, self.uplink_policy),
+                                  ("downlink-budget", self.downlink_budget,
+                                   self.downlink_policy)):
+            budget = parse_budget(text)
+            if budget is not None:
+                yield key, budget, policy
+
     def check_budgets(self, shapes: Mapping[str, Any]) -> None:
         """Refuse, before round 1, a budget below the smallest payload of this model.
 
@@ -400,13 +409,8 @@ class RunConfig:
         fedcomp.errors.SpecError
             Naming the budget, the smallest payload and the largest factor that fits.
         """
-        for key, text, policy in (("uplink-budget", self.uplink_budget, self.uplink_policy),
-                                  ("downlink-budget", self.downlink_budget,
-                                   self.downlink_policy)):
-            budget = parse_budget(text)
-            if budget is None:
-                continue
-            numel = sum(math.prod(shape) for shape in shapes.values())
+        numel = sum(math.prod(shape) for shape in shapes.values())
+        for key, budget, policy in self._budgets():
             need = smallest_budget_bytes(policy, shapes)
             if budget.payload_bytes(numel) < need:
                 fixed = [name for name, shape in shapes.items()
@@ -441,12 +445,7 @@ class RunConfig:
         """
         notices = []
         numel = sum(math.prod(shape) for shape in shapes.values())
-        for key, text, policy in (("uplink-budget", self.uplink_budget, self.uplink_policy),
-                                  ("downlink-budget", self.downlink_budget,
-                                   self.downlink_policy)):
-            budget = parse_budget(text)
-            if budget is None:
-                continue
+        for key, budget, policy in self._budgets():
             every = every_tensor_payload_bytes(policy, shapes)
             if budget.payload_bytes(numel) >= every:
                 continue
