@@ -450,8 +450,8 @@ class RunConfig:
             if budget.payload_bytes(numel) >= every:
                 continue
             notice = (f"run config {key!r} {budget.describe(numel)} cannot send every "
-                      f"tensor in a payload: one Top-K entry of each of the model's "
-                      f"{len(shapes)} tensors takes {every:,} bytes. Each payload leaves "
+                      f"tensor in a payload: the model's {len(shapes)} tensors, one Top-K "
+                      f"entry of each budgeted one, take {every:,} bytes. Each payload leaves "
                       f"some out until their error-feedback residuals outweigh the "
                       f"others', and a model with many small tensors (biases, norms) "
                       f"learns slowly so. A budget of at most '{int(4 * numel / every)}x' "

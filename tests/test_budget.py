@@ -840,7 +840,7 @@ def test_a_budget_too_small_for_every_tensor_says_so_and_what_would_fit():
     (notice,) = config.budget_notices(shapes)  # the 40x downlink fits every tensor
     every = every_tensor_payload_bytes(config.uplink_policy, shapes)
     assert notice.startswith("run config 'uplink-budget' '400x'")
-    assert f"31 tensors takes {every:,} bytes" in notice
+    assert f"31 tensors, one Top-K entry of each budgeted one, take {every:,} bytes" in notice
     # The size is a payload's that sends every tensor, one Top-K entry each.
     policy = config.uplink_policy
     choices = {n: Choice(1, policy.family_for(tuple(s), n).cheapest())
