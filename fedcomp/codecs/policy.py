@@ -419,11 +419,23 @@ def encode_within_budget(
                           update.numel, choices=choices, kept=kept)
 
 
-def _floor_update(shapes: Mapping[str, Sequence[int]],
-                  rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The fixed pseudo-random update the smallest payloads are coded from."""
-    return {name: rng.standard_normal(tuple(shape)).astype(np.float32)
-            for name, shape in shapes.items()}
+def _floor_payload_bytes(policy: CompressionPolicy, shapes: Mapping[str, Sequence[int]],
+                         *, every: bool) -> list[int]:
+    """Bytes of the smallest payloads of a fixed pseudo-random update (real updates
+    may differ by a few bytes): the tensors in fixed pipelines, and one Top-K entry in
+    its cheapest value coding of every budgeted tensor (``every``), or of one budgeted
+    tensor at a time, the others left out (a size for each)."""
+    rng = np.random.default_rng(0)
+    update = {name: rng.standard_normal(tuple(shape)).astype(np.float32)
+              for name, shape in shapes.items()}
+    cheapest = {name: Choice(1, family.cheapest()) for name, shape in shapes.items()
+                if (family := policy.family_for(tuple(shape), name)) is not None}
+    if not cheapest:
+        return [encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes]
+    sends = [set(cheapest)] if every else [{name} for name in cheapest]
+    return [_encode_choices(update, policy, {
+        name: choice if name in sent else Choice(0) for name, choice in cheapest.items()},
+        rng=rng, meta={"round": 0}).nbytes for sent in sends]
 
 
 def minimum_payload_bytes(policy: CompressionPolicy,
@@ -433,16 +445,7 @@ def minimum_payload_bytes(policy: CompressionPolicy,
     budgeted tensor that costs least in its cheapest value coding, the others left
     out (coded from a fixed pseudo-random update; real updates may differ by a few
     bytes)."""
-    rng = np.random.default_rng(0)
-    update = _floor_update(shapes, rng)
-    families = {name: family for name, shape in shapes.items()
-                if (family := policy.family_for(tuple(shape), name)) is not None}
-    sizes = [_encode_choices(update, policy, {
-        other: Choice(1, families[name].cheapest()) if other == name else Choice(0)
-        for other in families}, rng=rng, meta={"round": 0}).nbytes for name in families]
-    if not sizes:
-        return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
-    return min(sizes)
+    return min(_floor_payload_bytes(policy, shapes, every=False))
 
 
 def every_tensor_payload_bytes(policy: CompressionPolicy,
@@ -455,13 +458,8 @@ def every_tensor_payload_bytes(policy: CompressionPolicy,
     A budget below it leaves some tensor out of every payload, so those tensors move
     only as often as their error-feedback residuals win a payload's bytes.
     """
-    rng = np.random.default_rng(0)
-    update = _floor_update(shapes, rng)
-    choices = {name: Choice(1, family.cheapest()) for name, shape in shapes.items()
-               if (family := policy.family_for(tuple(shape), name)) is not None}
-    if not choices:
-        return encode_update(update, policy, rng=rng, meta={"round": 0}).nbytes
-    return _encode_choices(update, policy, choices, rng=rng, meta={"round": 0}).nbytes
+    (nbytes,) = _floor_payload_bytes(policy, shapes, every=True)
+    return nbytes
 
 
 def smallest_budget_bytes(policy: CompressionPolicy,
